@@ -1,0 +1,45 @@
+#pragma once
+// The pass criterion of SPEC §3, in one place: tolerances per input dtype and the comparison
+// of a result (O, LSE) against the float64 golden values.
+
+#include <cstdint>
+#include <string>
+
+#include "flashref/reference/naive.hpp"
+#include "flashref/reference/problem.hpp"
+
+namespace flashref {
+
+struct tolerance {
+  double atol = 0;      // absolute, already scaled by max|V|
+  double rtol = 0;      // relative to |ref|
+  double atol_lse = 0;  // LSE: |lse - ref| <= atol_lse * max(1, |ref|)
+};
+
+// SPEC §3: float32 inputs: atol = rtol = 2e-5 * max|V|, atol_lse = 1e-5;
+// bfloat16 / float16 inputs with low-precision output: 2^-7 / 2^-10 * max|V|.
+tolerance default_tolerance(input_dtype dtype, double max_abs_v);
+
+struct conformance_report {
+  std::int64_t rows = 0;            // B * Hq * Lq
+  std::int64_t empty_rows = 0;      // rows with no visible key (golden LSE == -inf)
+  std::int64_t empty_rows_bad = 0;  // empty rows whose O is not exactly 0 or LSE is not -inf
+  std::int64_t nan_rows = 0;        // rows with a NaN (or inf) in O or a NaN / +inf in LSE
+  std::int64_t bad_elements = 0;    // finite elements outside the tolerance
+  double max_abs_err = 0;           // over non-empty rows, O
+  double max_rel_err = 0;           // |o - ref| / |ref| over elements with |ref| > atol
+  double max_lse_err = 0;           // over non-empty rows
+  bool pass() const { return nan_rows == 0 && empty_rows_bad == 0 && bad_elements == 0; }
+};
+
+// o: row-major (B, Hq, Lq, Dv), lse: row-major (B, Hq, Lq), both as float or double.
+template <class T>
+conformance_report compare(const reference::golden& g, const T* o, const T* lse,
+                           const tolerance& tol);
+
+extern template conformance_report compare(const reference::golden&, const float*, const float*,
+                                           const tolerance&);
+extern template conformance_report compare(const reference::golden&, const double*,
+                                           const double*, const tolerance&);
+
+}  // namespace flashref

@@ -1,0 +1,88 @@
+#pragma once
+// The visibility rule of SPEC §2 in one place, as a plain struct usable by host and device
+// code, plus tile classification for the tiled paths: a tile (rows [q0, q1) x keys [k0, k1))
+// is `empty` (skip it: no load, no exponent), `full` (no element mask needed) or `partial`
+// (apply the element mask). Classification is conservative: `partial` is always safe.
+
+#include <cstdint>
+
+#include "flashref/reference/config.hpp"
+
+namespace flashref {
+
+struct attention_problem;
+
+enum class tile_class : int { empty = 0, partial = 1, full = 2 };
+
+// Key interval [lo, hi) allowed to one query row by causal, window and kv_len.
+struct key_range {
+  std::int64_t lo;
+  std::int64_t hi;
+};
+
+struct mask_spec {
+  std::int64_t len_q = 0;
+  std::int64_t len_k = 0;
+  int causal = 0;  // 0 none, 1 bottom-right, 2 top-left
+  std::int64_t window_left = -1;
+  std::int64_t window_right = -1;
+  const std::int32_t* kv_len = nullptr;  // (B) or null
+  // Block mask (B, Hq, nqb, nkb) seen through strides; a broadcast dimension has stride 0.
+  const std::uint8_t* block_mask = nullptr;
+  std::int64_t bm_stride_b = 0, bm_stride_h = 0, bm_stride_qb = 0, bm_stride_kb = 0;
+  std::int64_t block_q = 0, block_k = 0;
+
+  // Causal, window and kv_len constrain a row to one interval; both ends are non-decreasing
+  // in the row index, which is what makes tile classification cheap.
+  FLASHREF_INLINE key_range row_range(std::int64_t b, std::int64_t i) const {
+    const std::int64_t diag = i + (len_k - len_q);  // the bottom-right aligned diagonal
+    std::int64_t lo = 0;
+    std::int64_t hi = len_k;
+    if (kv_len != nullptr && kv_len[b] < hi) hi = kv_len[b];
+    if (causal == 1 && diag + 1 < hi) hi = diag + 1;
+    if (causal == 2 && i + 1 < hi) hi = i + 1;
+    if (window_right >= 0 && diag + window_right + 1 < hi) hi = diag + window_right + 1;
+    if (window_left >= 0 && diag - window_left > lo) lo = diag - window_left;
+    return {lo, hi};
+  }
+
+  FLASHREF_INLINE bool block_visible(std::int64_t b, std::int64_t h, std::int64_t qb,
+                                     std::int64_t kb) const {
+    return block_mask[b * bm_stride_b + h * bm_stride_h + qb * bm_stride_qb +
+                      kb * bm_stride_kb] != 0;
+  }
+
+  // Is key j visible to query i of (batch b, query head h)?
+  FLASHREF_INLINE bool visible(std::int64_t b, std::int64_t h, std::int64_t i,
+                               std::int64_t j) const {
+    const key_range r = row_range(b, i);
+    if (j < r.lo || j >= r.hi) return false;
+    return block_mask == nullptr || block_visible(b, h, i / block_q, j / block_k);
+  }
+
+  // Classify rows [q0, q1) x keys [k0, k1) (both non-empty).
+  FLASHREF_INLINE tile_class classify(std::int64_t b, std::int64_t h, std::int64_t q0,
+                                      std::int64_t q1, std::int64_t k0, std::int64_t k1) const {
+    const key_range first = row_range(b, q0);
+    const key_range last = row_range(b, q1 - 1);
+    // Every row's interval ends before k0, or starts at or after k1.
+    if (last.hi <= k0 || first.lo >= k1) return tile_class::empty;
+    bool range_full = last.lo <= k0 && first.hi >= k1;
+    if (block_mask == nullptr) return range_full ? tile_class::full : tile_class::partial;
+    bool any = false, all = true;
+    for (std::int64_t qb = q0 / block_q; qb <= (q1 - 1) / block_q; ++qb) {
+      for (std::int64_t kb = k0 / block_k; kb <= (k1 - 1) / block_k; ++kb) {
+        const bool on = block_visible(b, h, qb, kb);
+        any = any || on;
+        all = all && on;
+      }
+    }
+    if (!any) return tile_class::empty;
+    return (range_full && all) ? tile_class::full : tile_class::partial;
+  }
+};
+
+// The mask of a validated problem, with broadcast block-mask dimensions turned into stride 0.
+mask_spec make_mask_spec(const attention_problem& p);
+
+}  // namespace flashref
