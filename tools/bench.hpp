@@ -11,20 +11,20 @@ namespace flashref::cli {
 struct bench_point {
   std::string mask = "dense";  // dense | causal | block_sparse | local_window | decode
   std::int64_t B = 1, Hq = 8, Hk = 8, Lq = 1024, Lk = 1024, D = 128, Dv = 128;
-  double density = 1.0;       // block_sparse: fraction of visible blocks
-  std::int64_t block = 128;   // block_sparse: mask block size (square)
-  std::int64_t window = 256;  // local_window: left = right = window
+  double density = 1.0;           // block_sparse: fraction of visible blocks
+  std::int64_t block = 128;       // block_sparse: mask block size (square)
+  std::int64_t window = 256;      // local_window: left = right = window
   std::string dtype = "float32";  // float32 | bfloat16 | float16 (GPU)
 };
 
 struct bench_record {
   bench_point point;
-  std::string backend;      // cpu, reference, openblas_naive, peak_fma, cuda, ...
-  int threads = 1;          // threads actually used (CPU)
-  double median_s = 0;      // median over repetitions after warm-up
-  double flops = 0;         // counted per SPEC §8 (effective for block-sparse)
-  double gflops = 0;        // flops / median_s * 1e-9
-  std::string note;         // free text (e.g. bandwidth for decode)
+  std::string backend;  // cpu, reference, openblas_naive, peak_fma, cuda, ...
+  int threads = 1;      // threads actually used (CPU)
+  double median_s = 0;  // median over repetitions after warm-up
+  double flops = 0;     // counted per SPEC §8 (effective for block-sparse)
+  double gflops = 0;    // flops / median_s * 1e-9
+  std::string note;     // free text (e.g. bandwidth for decode)
 };
 
 }  // namespace flashref::cli

@@ -31,18 +31,20 @@ struct demo_options {
 
 struct demo_problem {
   std::int64_t B, H, L, D, nb;
-  std::vector<float> q, k, v, o;  // (B, H, L, D)
-  std::vector<float> lse;         // (B, H, L)
-  std::vector<std::uint8_t> mask; // (B, H, nb, nb)
+  std::vector<float> q, k, v, o;   // (B, H, L, D)
+  std::vector<float> lse;          // (B, H, L)
+  std::vector<std::uint8_t> mask;  // (B, H, nb, nb)
   attention_problem p;
 };
 
 void build(const demo_options& opt, demo_problem& d) {
   if (opt.batch < 1 || opt.heads < 2 || opt.dim < 1 || opt.block < 1 || opt.seq < 4 * opt.block)
-    throw problem_error("demo: expected batch >= 1, heads >= 2, dim >= 1, block >= 1 and seq >= 4 * block, got batch " +
-                        std::to_string(opt.batch) + ", heads " + std::to_string(opt.heads) + ", dim " +
-                        std::to_string(opt.dim) + ", block " + std::to_string(opt.block) + ", seq " +
-                        std::to_string(opt.seq));
+    throw problem_error(
+        "demo: expected batch >= 1, heads >= 2, dim >= 1, block >= 1 and seq >= 4 * block, got "
+        "batch " +
+        std::to_string(opt.batch) + ", heads " + std::to_string(opt.heads) + ", dim " +
+        std::to_string(opt.dim) + ", block " + std::to_string(opt.block) + ", seq " +
+        std::to_string(opt.seq));
   d.B = opt.batch, d.H = opt.heads, d.L = opt.seq, d.D = opt.dim;
   d.nb = (d.L + opt.block - 1) / opt.block;
   const std::size_t n = std::size_t(d.B * d.H * d.L * d.D);
@@ -55,13 +57,15 @@ void build(const demo_options& opt, demo_problem& d) {
     d.v[i] = float(rv.normal(i));
   }
   d.mask.resize(std::size_t(d.B * d.H * d.nb * d.nb));
-  for (std::size_t i = 0; i < d.mask.size(); ++i) d.mask[i] = rm.normal(i) <= opt.threshold;
+  for (std::size_t i = 0; i < d.mask.size(); ++i)
+    d.mask[i] = rm.normal(i) <= opt.threshold;
   auto at = [&](std::int64_t b, std::int64_t h, std::int64_t qb, std::int64_t kb) -> std::uint8_t& {
     return d.mask[std::size_t(((b * d.H + h) * d.nb + qb) * d.nb + kb)];
   };
   // The arrangement the bug needs: an empty q-block row (failure case 2) and a row whose
   // first visible k-block follows a masked one (failure case 1).
-  for (std::int64_t kb = 0; kb < d.nb; ++kb) at(0, 0, 1, kb) = 0;
+  for (std::int64_t kb = 0; kb < d.nb; ++kb)
+    at(0, 0, 1, kb) = 0;
   at(0, 1, 2, 0) = 0;
   at(0, 1, 2, 1) = 1;
 
@@ -98,12 +102,16 @@ void run_spec_variant(const demo_problem& d, std::int64_t tile, loop_kind kind,
           V(j, c) = d.p.v(b, h, j, c);
         }
       for (std::int64_t i = 0; i < d.L; ++i) {
-        for (std::int64_t c = 0; c < d.D; ++c) q(c) = d.p.q(b, h, i, c);
-        for (std::int64_t j = 0; j < d.L; ++j) key_mask(j) = mask.visible(b, h, i, j);
+        for (std::int64_t c = 0; c < d.D; ++c)
+          q(c) = d.p.q(b, h, i, c);
+        for (std::int64_t j = 0; j < d.L; ++j)
+          key_mask(j) = mask.visible(b, h, i, j);
         const reference::spec_result r =
-            kind == loop_kind::guarded   ? reference::tiled_softmax_dot(q, K, V, tile, key_mask, scale)
-            : kind == loop_kind::patched ? reference::teaching::tiled_softmax_dot_patched(q, K, V, tile, key_mask, scale)
-                                         : reference::teaching::tiled_softmax_dot_unguarded(q, K, V, tile, key_mask, scale);
+            kind == loop_kind::guarded
+                ? reference::tiled_softmax_dot(q, K, V, tile, key_mask, scale)
+            : kind == loop_kind::patched
+                ? reference::teaching::tiled_softmax_dot_patched(q, K, V, tile, key_mask, scale)
+                : reference::teaching::tiled_softmax_dot_unguarded(q, K, V, tile, key_mask, scale);
         const std::size_t row = std::size_t((b * d.H + h) * d.L + i);
         std::copy(r.out.begin(), r.out.end(), o.begin() + std::ptrdiff_t(row * std::size_t(d.D)));
         lse[row] = r.lse;
@@ -131,7 +139,8 @@ std::int64_t count_nan_first_masked(const demo_problem& d, const reference::gold
         const std::size_t row = std::size_t((b * d.H + h) * d.L + i);
         if (g.lse[row] == -INFINITY || mask.block_visible(b, h, i / block, 0)) continue;
         bool nan = std::isnan(double(lse[row]));
-        for (std::int64_t c = 0; c < d.D; ++c) nan = nan || std::isnan(double(o[row * std::size_t(d.D) + std::size_t(c)]));
+        for (std::int64_t c = 0; c < d.D; ++c)
+          nan = nan || std::isnan(double(o[row * std::size_t(d.D) + std::size_t(c)]));
         n += nan;
       }
   return n;
@@ -145,12 +154,14 @@ int run_demo(const demo_options& opt) {
     for (const backend_info& info : flashref::backends())
       if (info.available) chosen.push_back(info.id);
   } else {
-    for (const std::string& s : opt.backends) chosen.push_back(resolve(parse_backend(s)));
+    for (const std::string& s : opt.backends)
+      chosen.push_back(resolve(parse_backend(s)));
   }
 
   const reference::golden g = reference::naive_attention(d.p);
   double max_v = 0;
-  for (float x : d.v) max_v = std::max(max_v, double(std::abs(x)));
+  for (float x : d.v)
+    max_v = std::max(max_v, double(std::abs(x)));
   const tolerance tol = default_tolerance(input_dtype::float32, max_v);
   const mask_spec mask = make_mask_spec(d.p);
   double pairs = 0;
@@ -159,7 +170,8 @@ int run_demo(const demo_options& opt) {
     for (std::int64_t h = 0; h < d.H; ++h)
       for (std::int64_t qb = 0; qb < d.nb; ++qb) {
         std::int64_t on = 0;
-        for (std::int64_t kb = 0; kb < d.nb; ++kb) on += mask.block_visible(b, h, qb, kb);
+        for (std::int64_t kb = 0; kb < d.nb; ++kb)
+          on += mask.block_visible(b, h, qb, kb);
         pairs += double(on) / double(d.nb);
         empty_qblocks += on == 0;
         first_masked_qblocks += on > 0 && !mask.block_visible(b, h, qb, 0);
@@ -167,13 +179,19 @@ int run_demo(const demo_options& opt) {
   const double density = pairs / double(d.B * d.H * d.nb);
   const double flops = dense_flops(d.p) * density;
 
-  std::printf("flashref demo: block-sparse attention, B=%lld H=%lld L=%lld D=%lld, block %lldx%lld, seed %llu\n",
-              (long long)d.B, (long long)d.H, (long long)d.L, (long long)d.D, (long long)opt.block,
-              (long long)opt.block, (unsigned long long)opt.seed);
-  std::printf("block mask: randn <= %.2f, density %.3f, %lld empty q-block rows, %lld q-block rows whose first k-block is masked\n",
-              opt.threshold, density, (long long)empty_qblocks, (long long)first_masked_qblocks);
-  std::printf("tolerance (float32): |o - ref| <= %.3g + %.3g |ref|, |lse - ref| <= %.3g max(1, |ref|); empty rows: O = 0, LSE = -inf\n\n",
-              tol.atol, tol.rtol, tol.atol_lse);
+  std::printf(
+      "flashref demo: block-sparse attention, B=%lld H=%lld L=%lld D=%lld, block %lldx%lld, seed "
+      "%llu\n",
+      (long long)d.B, (long long)d.H, (long long)d.L, (long long)d.D, (long long)opt.block,
+      (long long)opt.block, (unsigned long long)opt.seed);
+  std::printf(
+      "block mask: randn <= %.2f, density %.3f, %lld empty q-block rows, %lld q-block rows whose "
+      "first k-block is masked\n",
+      opt.threshold, density, (long long)empty_qblocks, (long long)first_masked_qblocks);
+  std::printf(
+      "tolerance (float32): |o - ref| <= %.3g + %.3g |ref|, |lse - ref| <= %.3g max(1, |ref|); "
+      "empty rows: O = 0, LSE = -inf\n\n",
+      tol.atol, tol.rtol, tol.atol_lse);
 
   using clock = std::chrono::steady_clock;
   std::vector<row_row> rows;
@@ -198,9 +216,10 @@ int run_demo(const demo_options& opt) {
     const auto t0 = clock::now();
     attention(d.p, be);
     const double secs = std::chrono::duration<double>(clock::now() - t0).count();
-    rows.push_back({std::string("backend ") + to_string(be) + (be == backend::reference ? " (tiled)" : ""), false,
-                    compare(g, d.o.data(), d.lse.data(), tol),
-                    count_nan_first_masked(d, g, d.o.data(), d.lse.data(), opt.block), secs});
+    rows.push_back(
+        {std::string("backend ") + to_string(be) + (be == backend::reference ? " (tiled)" : ""),
+         false, compare(g, d.o.data(), d.lse.data(), tol),
+         count_nan_first_masked(d, g, d.o.data(), d.lse.data(), opt.block), secs});
   }
 
   std::printf("%-27s %12s %9s %16s %18s %10s %9s  %s\n", "variant", "max|err|", "NaN rows",
@@ -210,15 +229,16 @@ int run_demo(const demo_options& opt) {
     const bool pass = r.rep.pass();
     if (!r.teaching && !pass) ok = false;
     char empty[32];
-    std::snprintf(empty, sizeof empty, "%lld/%lld", (long long)(r.rep.empty_rows - r.rep.empty_rows_bad),
+    std::snprintf(empty, sizeof empty, "%lld/%lld",
+                  (long long)(r.rep.empty_rows - r.rep.empty_rows_bad),
                   (long long)r.rep.empty_rows);
-    std::printf("%-27s %12.3e %9lld %16s %18lld %10.1f %9.2f  %s\n", r.variant.c_str(), r.rep.max_abs_err,
-                (long long)r.rep.nan_rows, empty, (long long)r.nan_first_masked, r.seconds * 1e3,
-                flops / r.seconds * 1e-9,
+    std::printf("%-27s %12.3e %9lld %16s %18lld %10.1f %9.2f  %s\n", r.variant.c_str(),
+                r.rep.max_abs_err, (long long)r.rep.nan_rows, empty, (long long)r.nan_first_masked,
+                r.seconds * 1e3, flops / r.seconds * 1e-9,
                 pass ? "PASS" : (r.teaching ? "FAIL (expected: teaching)" : "FAIL"));
   }
   std::printf("\n%s\n", ok ? "every non-teaching variant meets the contract"
-                          : "CONTRACT BROKEN: a non-teaching variant failed");
+                           : "CONTRACT BROKEN: a non-teaching variant failed");
   return ok ? 0 : 1;
 }
 
@@ -228,7 +248,8 @@ void add_demo(CLI::App& app, exit_slot status) {
   auto opt = std::make_shared<demo_options>();
   CLI::App* cmd = app.add_subcommand(
       "demo", "Reproduce the block-sparse NaN bug and show every backend meeting the contract");
-  cmd->add_option("--seed", opt->seed, "Seed of the inputs and the block mask")->capture_default_str();
+  cmd->add_option("--seed", opt->seed, "Seed of the inputs and the block mask")
+      ->capture_default_str();
   cmd->add_option("--batch", opt->batch, "Batch size")->capture_default_str();
   cmd->add_option("--heads", opt->heads, "Number of heads")->capture_default_str();
   cmd->add_option("--seq", opt->seq, "Sequence length (queries = keys)")->capture_default_str();
@@ -237,8 +258,9 @@ void add_demo(CLI::App& app, exit_slot status) {
       ->capture_default_str();
   cmd->add_option("--threshold", opt->threshold, "A block is visible when randn <= threshold")
       ->capture_default_str();
-  cmd->add_option("--backend", opt->backends,
-                  "Backends to run (reference, cpu, cuda, automatic); default: every available one");
+  cmd->add_option(
+      "--backend", opt->backends,
+      "Backends to run (reference, cpu, cuda, automatic); default: every available one");
   cmd->callback([opt, status] { *status = run_demo(*opt); });
 }
 

@@ -93,7 +93,8 @@ attention_problem make_problem(const xt::xtensor<float, 4>& q, const xt::xtensor
   };
   const std::int64_t B = std::int64_t(q.shape(0)), Hq = std::int64_t(q.shape(1));
   const std::int64_t Lq = std::int64_t(q.shape(2)), Dv = std::int64_t(v.shape(3));
-  o = xt::xtensor<float, 4>::from_shape({std::size_t(B), std::size_t(Hq), std::size_t(Lq), std::size_t(Dv)});
+  o = xt::xtensor<float, 4>::from_shape(
+      {std::size_t(B), std::size_t(Hq), std::size_t(Lq), std::size_t(Dv)});
   lse = xt::xtensor<float, 3>::from_shape({std::size_t(B), std::size_t(Hq), std::size_t(Lq)});
 
   attention_problem p;

@@ -30,12 +30,14 @@ conformance_report compare(const reference::golden& g, const T* o, const T* lse,
     const T* o_row = o + row * Dv;
     const double* ref_row = g.o.data() + row * Dv;
     bool nan = std::isnan(got_lse) || got_lse == INFINITY;
-    for (std::int64_t d = 0; d < Dv; ++d) nan = nan || !std::isfinite(double(o_row[d]));
+    for (std::int64_t d = 0; d < Dv; ++d)
+      nan = nan || !std::isfinite(double(o_row[d]));
     if (nan) ++r.nan_rows;
     if (ref_lse == -INFINITY) {  // empty row: O exactly 0 and LSE exactly -inf
       ++r.empty_rows;
       bool ok = got_lse == -INFINITY;
-      for (std::int64_t d = 0; d < Dv; ++d) ok = ok && o_row[d] == T(0);
+      for (std::int64_t d = 0; d < Dv; ++d)
+        ok = ok && o_row[d] == T(0);
       if (!ok) ++r.empty_rows_bad;
       continue;
     }

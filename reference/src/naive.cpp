@@ -55,7 +55,8 @@ golden naive_attention(const attention_problem& p) {
           vis[j] = naive_visible(p, b, h, i, j);
           if (!vis[j]) continue;
           double dot = 0.0;
-          for (std::int64_t d = 0; d < D; ++d) dot += double(p.q(b, h, i, d)) * double(p.k(b, hk, j, d));
+          for (std::int64_t d = 0; d < D; ++d)
+            dot += double(p.q(b, h, i, d)) * double(p.k(b, hk, j, d));
           score[j] = scale * dot;
           any = true;
           if (std::isnan(score[j])) nan = true;
@@ -64,7 +65,8 @@ golden naive_attention(const attention_problem& p) {
         if (!any) continue;  // no visible key: O = 0, LSE = -inf (already set)
         if (nan) {
           const double qnan = std::numeric_limits<double>::quiet_NaN();
-          for (std::int64_t d = 0; d < Dv; ++d) out[d] = qnan;
+          for (std::int64_t d = 0; d < Dv; ++d)
+            out[d] = qnan;
           g.lse[row] = qnan;
           continue;
         }
@@ -76,7 +78,8 @@ golden naive_attention(const attention_problem& p) {
         for (std::int64_t j = 0; j < Lk; ++j) {
           if (!vis[j]) continue;
           const double pj = std::exp(score[j] - mx) / sum;
-          for (std::int64_t d = 0; d < Dv; ++d) out[d] += pj * double(p.v(b, hk, j, d));
+          for (std::int64_t d = 0; d < Dv; ++d)
+            out[d] += pj * double(p.v(b, hk, j, d));
         }
         g.lse[row] = mx + std::log(sum);
       }

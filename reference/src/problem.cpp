@@ -50,7 +50,9 @@ void check_shape(const char* name, const strided<T, R>& v, std::array<std::int64
   }
 }
 
-std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
+  return (a + b - 1) / b;
+}
 
 }  // namespace
 
@@ -111,7 +113,8 @@ void validate(const attention_problem& p) {
     check_view("lse", p.lse);
     check_shape("lse", p.lse, {B, Hq, Lq});
   }
-  if (p.scale && !std::isfinite(*p.scale)) fail("scale", "a finite number", std::to_string(*p.scale));
+  if (p.scale && !std::isfinite(*p.scale))
+    fail("scale", "a finite number", std::to_string(*p.scale));
   if (p.window_left < -1) fail("window_left", ">= -1 (-1 = off)", std::to_string(p.window_left));
   if (p.window_right < -1) fail("window_right", ">= -1 (-1 = off)", std::to_string(p.window_right));
 
@@ -127,8 +130,8 @@ void validate(const attention_problem& p) {
     if (s != expected) fail("block_mask", "shape " + shape_str(expected), shape_str(s));
   } else if (p.block_q != 0 || p.block_k != 0) {
     fail("block_mask", "a mask when block_q/block_k are set",
-         "none (block_q = " + std::to_string(p.block_q) + ", block_k = " +
-             std::to_string(p.block_k) + ")");
+         "none (block_q = " + std::to_string(p.block_q) +
+             ", block_k = " + std::to_string(p.block_k) + ")");
   }
   if (p.kv_len != nullptr) {
     for (std::int64_t b = 0; b < B; ++b) {

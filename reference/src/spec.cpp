@@ -19,11 +19,14 @@ void check_inputs(const xt::xtensor<double, 1>& q, const xt::xtensor<double, 2>&
                   const xt::xtensor<std::uint8_t, 1>& key_mask) {
   auto n = [](std::size_t x) { return std::to_string(x); };
   if (K.shape(1) != q.shape(0))  // q.k needs matching head dims
-    throw problem_error("K: expected " + n(q.shape(0)) + " columns (the size of q), got " + n(K.shape(1)));
+    throw problem_error("K: expected " + n(q.shape(0)) + " columns (the size of q), got " +
+                        n(K.shape(1)));
   if (V.shape(0) != K.shape(0))  // one value row per key
-    throw problem_error("V: expected " + n(K.shape(0)) + " rows (one per key), got " + n(V.shape(0)));
+    throw problem_error("V: expected " + n(K.shape(0)) + " rows (one per key), got " +
+                        n(V.shape(0)));
   if (key_mask.size() != 0 && key_mask.size() != K.shape(0))  // one flag per key, or none
-    throw problem_error("key_mask: expected " + n(K.shape(0)) + " entries (or none), got " + n(key_mask.size()));
+    throw problem_error("key_mask: expected " + n(K.shape(0)) + " entries (or none), got " +
+                        n(key_mask.size()));
   if (tile <= 0) throw problem_error("tile: expected a positive size, got " + std::to_string(tile));
 }
 
@@ -32,7 +35,8 @@ double score_of(const xt::xtensor<double, 1>& q, const xt::xtensor<double, 2>& K
                 const xt::xtensor<std::uint8_t, 1>& key_mask, std::size_t j, double scale) {
   if (key_mask.size() != 0 && key_mask(j) == 0) return -INFINITY;
   double dot = 0.0;
-  for (std::size_t d = 0; d < q.shape(0); ++d) dot += q(d) * K(j, d);
+  for (std::size_t d = 0; d < q.shape(0); ++d)
+    dot += q(d) * K(j, d);
   return scale * dot;
 }
 
@@ -44,8 +48,8 @@ spec_result tiled_softmax_dot(const xt::xtensor<double, 1>& q, const xt::xtensor
   check_inputs(q, K, V, tile, key_mask);
   const std::size_t Lk = K.shape(0), Dv = V.shape(1);
   spec_result res;
-  online_softmax<double> st;                                  // running m and s
-  xt::xtensor<double, 1> out = xt::zeros<double>({Dv});       // Σ exp(score_j - m) v_j
+  online_softmax<double> st;                             // running m and s
+  xt::xtensor<double, 1> out = xt::zeros<double>({Dv});  // Σ exp(score_j - m) v_j
 
   for (std::size_t k0 = 0, t = 0; k0 < Lk; k0 += std::size_t(tile), ++t) {
     const std::size_t k1 = std::min(k0 + std::size_t(tile), Lk);
@@ -61,13 +65,14 @@ spec_result tiled_softmax_dot(const xt::xtensor<double, 1>& q, const xt::xtensor
     step.all_masked = block_max == -INFINITY;
 
     step.m_old = st.m;
-    const double exp_old = st.update_max(block_max);  // exp(m_old - m_new); 0 on the first visible tile
-    out *= exp_old;                                   // earlier terms, re-expressed against m_new
+    const double exp_old =
+        st.update_max(block_max);  // exp(m_old - m_new); 0 on the first visible tile
+    out *= exp_old;                // earlier terms, re-expressed against m_new
     st.rescale(exp_old);
     double p_sum = 0.0;
     for (std::size_t j = k0; j < k1; ++j) {
       if (step.scores[j - k0] == -INFINITY) continue;  // masked: its value is never read
-      const double p = st.prob(step.scores[j - k0]);    // exp(score_j - m_new)
+      const double p = st.prob(step.scores[j - k0]);   // exp(score_j - m_new)
       p_sum += p;
       out += p * xt::view(V, j, xt::all());
     }
@@ -103,7 +108,8 @@ spec_result one_shot_softmax_dot(const xt::xtensor<double, 1>& q, const xt::xten
     return res;
   }
   double sum = 0.0;
-  for (std::size_t j = 0; j < Lk; ++j) sum += std::exp(scores[j] - mx);
+  for (std::size_t j = 0; j < Lk; ++j)
+    sum += std::exp(scores[j] - mx);
   for (std::size_t j = 0; j < Lk; ++j) {
     res.out += (std::exp(scores[j] - mx) / sum) * xt::view(V, j, xt::all());
   }

@@ -21,8 +21,8 @@ void tiled_attention(const attention_problem& p, tile_shape tile) {
   const mask_spec mask = make_mask_spec(p);
 
   std::vector<online_softmax<double>> state(std::size_t(tile.q));  // (tile.q)
-  std::vector<double> acc(std::size_t(tile.q * Dv));                  // (tile.q, Dv)
-  std::vector<double> score(std::size_t(tile.q * tile.k));            // (tile.q, tile.k)
+  std::vector<double> acc(std::size_t(tile.q * Dv));               // (tile.q, Dv)
+  std::vector<double> score(std::size_t(tile.q * tile.k));         // (tile.q, tile.k)
 
   for (std::int64_t b = 0; b < B; ++b) {
     for (std::int64_t h = 0; h < Hq; ++h) {
@@ -52,7 +52,8 @@ void tiled_attention(const attention_problem& p, tile_shape tile) {
                 continue;
               }
               double dot = 0.0;
-              for (std::int64_t d = 0; d < D; ++d) dot += double(p.q(b, h, i, d)) * double(p.k(b, hk, j, d));
+              for (std::int64_t d = 0; d < D; ++d)
+                dot += double(p.q(b, h, i, d)) * double(p.k(b, hk, j, d));
               s_row[c] = scale * dot;
               block_max = std::max(block_max, s_row[c]);
             }
@@ -60,14 +61,16 @@ void tiled_attention(const attention_problem& p, tile_shape tile) {
             online_softmax<double>& st = state[std::size_t(r)];
             double* a_row = &acc[std::size_t(r * Dv)];
             const double exp_old = st.update_max(block_max);
-            for (std::int64_t d = 0; d < Dv; ++d) a_row[d] *= exp_old;
+            for (std::int64_t d = 0; d < Dv; ++d)
+              a_row[d] *= exp_old;
             st.rescale(exp_old);
             double p_sum = 0.0;
             for (std::int64_t c = 0; c < nk; ++c) {
               if (s_row[c] == -INFINITY) continue;  // masked: its value is never read
               const double pj = st.prob(s_row[c]);
               p_sum += pj;
-              for (std::int64_t d = 0; d < Dv; ++d) a_row[d] += pj * double(p.v(b, hk, k0 + c, d));
+              for (std::int64_t d = 0; d < Dv; ++d)
+                a_row[d] += pj * double(p.v(b, hk, k0 + c, d));
             }
             st.absorb(p_sum);
           }

@@ -39,7 +39,7 @@ conformance_report compare(const reference::golden& g, const T* o, const T* lse,
 
 extern template conformance_report compare(const reference::golden&, const float*, const float*,
                                            const tolerance&);
-extern template conformance_report compare(const reference::golden&, const double*,
-                                           const double*, const tolerance&);
+extern template conformance_report compare(const reference::golden&, const double*, const double*,
+                                           const tolerance&);
 
 }  // namespace flashref

@@ -48,8 +48,8 @@ struct mask_spec {
 
   FLASHREF_INLINE bool block_visible(std::int64_t b, std::int64_t h, std::int64_t qb,
                                      std::int64_t kb) const {
-    return block_mask[b * bm_stride_b + h * bm_stride_h + qb * bm_stride_qb +
-                      kb * bm_stride_kb] != 0;
+    return block_mask[b * bm_stride_b + h * bm_stride_h + qb * bm_stride_qb + kb * bm_stride_kb] !=
+           0;
   }
 
   // Is key j visible to query i of (batch b, query head h)?

@@ -6,6 +6,7 @@
 // of it. Used by split-KV decoding, context parallelism and user code.
 
 #include <cstdint>
+#include <type_traits>
 
 #include <xtensor/xtensor.hpp>
 
@@ -15,9 +16,11 @@ namespace flashref {
 
 // One row: o_a, o_b and o have dv elements (o may alias o_a or o_b).
 template <class T>
-inline T merge_partials(const T* o_a, T lse_a, const T* o_b, T lse_b, std::int64_t dv, T* o) {
+inline T merge_partials(const T* o_a, std::type_identity_t<T> lse_a, const T* o_b,
+                        std::type_identity_t<T> lse_b, std::int64_t dv, T* o) {
   const merge_weights<T> w = merge_weights_of(lse_a, lse_b);
-  for (std::int64_t d = 0; d < dv; ++d) o[d] = w.w_a * o_a[d] + w.w_b * o_b[d];
+  for (std::int64_t d = 0; d < dv; ++d)
+    o[d] = w.w_a * o_a[d] + w.w_b * o_b[d];
   return w.lse;
 }
 

@@ -28,7 +28,8 @@ struct strided {
 
   std::int64_t size() const {
     std::int64_t n = 1;
-    for (auto s : shape) n *= s;
+    for (auto s : shape)
+      n *= s;
     return n;
   }
   template <class... I>
@@ -36,7 +37,8 @@ struct strided {
     static_assert(sizeof...(I) == R, "one index per dimension");
     const std::array<std::int64_t, R> at{static_cast<std::int64_t>(idx)...};
     std::int64_t off = 0;
-    for (int d = 0; d < R; ++d) off += at[d] * stride[d];
+    for (int d = 0; d < R; ++d)
+      off += at[d] * stride[d];
     return data[off];
   }
 };
@@ -73,7 +75,7 @@ enum class input_dtype { float32, bfloat16, float16 };
 
 const char* to_string(causal_mode c);
 const char* to_string(input_dtype t);
-causal_mode parse_causal(const std::string& s);   // "none" | "bottom_right" | "top_left"
+causal_mode parse_causal(const std::string& s);  // "none" | "bottom_right" | "top_left"
 input_dtype parse_input_dtype(const std::string& s);
 
 struct attention_problem {

@@ -16,14 +16,14 @@ namespace flashref::reference {
 
 // What one tile did to the state (recorded for the teaching trace and the fixtures).
 struct spec_step {
-  std::int64_t tile = 0;           // tile index
-  std::int64_t k0 = 0, k1 = 0;     // keys [k0, k1)
-  std::vector<double> scores;      // scale * q.k_j, -inf where masked
-  bool all_masked = false;         // no visible key in this tile
-  double m_old = 0, m_new = 0;     // running max before and after the tile
-  double exp_old = 0;              // exp(m_old - m_new): the factor applied to s and out
-  double s = 0;                    // running sum after the tile
-  std::vector<double> out;         // unnormalised output after the tile, relative to m_new
+  std::int64_t tile = 0;        // tile index
+  std::int64_t k0 = 0, k1 = 0;  // keys [k0, k1)
+  std::vector<double> scores;   // scale * q.k_j, -inf where masked
+  bool all_masked = false;      // no visible key in this tile
+  double m_old = 0, m_new = 0;  // running max before and after the tile
+  double exp_old = 0;           // exp(m_old - m_new): the factor applied to s and out
+  double s = 0;                 // running sum after the tile
+  std::vector<double> out;      // unnormalised output after the tile, relative to m_new
 };
 
 struct spec_result {

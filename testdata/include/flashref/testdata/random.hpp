@@ -6,8 +6,8 @@
 // a logarithm written here (the C library's log is not guaranteed to round the same way
 // everywhere). Compile users of this header with -ffp-contract=off.
 
-#include <cstdint>
 #include <cmath>
+#include <cstdint>
 
 namespace flashref::testdata {
 

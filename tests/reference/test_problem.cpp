@@ -1,0 +1,137 @@
+// Validation: each malformed problem throws problem_error naming the field, the expected and
+// the actual value. Plus the online-softmax state's named steps and the mask helper.
+#include <catch2/catch.hpp>
+
+#include "../common/owned_problem.hpp"
+#include "flashref/reference/mask.hpp"
+#include "flashref/reference/naive.hpp"
+#include "flashref/reference/online_softmax.hpp"
+
+using flashref::problem_error;
+using flashref::test::owned_problem;
+using flashref::test::problem_shape;
+
+namespace {
+problem_shape base() {
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 64, s.Lk = 64, s.D = 8, s.Dv = 8;
+  s.block_q = 4, s.block_k = 4;
+  return s;
+}
+}  // namespace
+
+TEST_CASE("validation names the field, the expected and the actual value", "[validate]") {
+  owned_problem op(base(), 1);
+  auto& p = op.p;
+  REQUIRE_NOTHROW(flashref::validate(p));
+
+  SECTION("block mask shape") {
+    p.block_mask.shape = {1, 4, 16, 8};
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        "block_mask: expected shape [1, 4, 16, 16], got [1, 4, 16, 8]");
+    p.block_mask.shape = {3, 4, 16, 16};
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        "block_mask: expected shape [2, 4, 16, 16], got [3, 4, 16, 16]");
+  }
+  SECTION("block sizes") {
+    p.block_q = 0;
+    REQUIRE_THROWS_WITH(flashref::validate(p), "block_q: expected a positive block size, got 0");
+    p.block_q = 4, p.block_k = -2;
+    REQUIRE_THROWS_WITH(flashref::validate(p), "block_k: expected a positive block size, got -2");
+  }
+  SECTION("key shape") {
+    p.k.shape[3] = 7;
+    REQUIRE_THROWS_WITH(flashref::validate(p), "k: expected shape [2, *, *, 8], got [2, 2, 64, 7]");
+  }
+  SECTION("value shape") {
+    p.v.shape[2] = 63;
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        "v: expected shape [2, 2, 64, *], got [2, 2, 63, 8]");
+  }
+  SECTION("head counts") {
+    p.k.shape[1] = 3, p.v.shape[1] = 3;
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        "k: expected a head count dividing Hq = 4, got Hk = 3");
+  }
+  SECTION("output shape") {
+    p.o.shape[3] = 4;
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        "o: expected shape [2, 4, 64, 8], got [2, 4, 64, 4]");
+    p.o.shape[3] = 8, p.lse.shape[2] = 1;
+    REQUIRE_THROWS_WITH(flashref::validate(p), "lse: expected shape [2, 4, 64], got [2, 4, 1]");
+  }
+  SECTION("negative dimensions and missing data") {
+    p.q.shape[2] = -1;
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        "q: expected non-negative dimensions, got [2, 4, *, 8]");
+    p.q.shape[2] = 64, p.v.data = nullptr;
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        "v: expected a data pointer for 2048 elements, got null");
+  }
+  SECTION("scale, windows and kv_len") {
+    p.scale = NAN;
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        Catch::StartsWith("scale: expected a finite number"));
+    p.scale.reset(), p.window_left = -2;
+    REQUIRE_THROWS_WITH(flashref::validate(p), "window_left: expected >= -1 (-1 = off), got -2");
+    p.window_left = -1, p.window_right = -5;
+    REQUIRE_THROWS_WITH(flashref::validate(p), "window_right: expected >= -1 (-1 = off), got -5");
+    p.window_right = -1;
+    const std::int32_t lens[2] = {64, 65};
+    p.kv_len = lens;
+    REQUIRE_THROWS_WITH(flashref::validate(p), "kv_len[1]: expected a value in [0, 64], got 65");
+  }
+  SECTION("block sizes without a mask") {
+    p.block_mask.data = nullptr;
+    REQUIRE_THROWS_WITH(
+        flashref::validate(p),
+        Catch::StartsWith("block_mask: expected a mask when block_q/block_k are set"));
+  }
+  SECTION("the naive reference validates too") {
+    p.block_q = 0;
+    REQUIRE_THROWS_AS(flashref::reference::naive_attention(p), problem_error);
+  }
+}
+
+TEST_CASE("online softmax: the named steps", "[online_softmax]") {
+  flashref::online_softmax<double> st;
+  REQUIRE(st.finalize().out_scale == 0.0);
+  REQUIRE(st.finalize().lse == -INFINITY);
+  // A fully masked block before any visible key: nothing changes, nothing is NaN.
+  REQUIRE(st.update_max(-INFINITY) == 0.0);
+  REQUIRE(st.prob(-INFINITY) == 0.0);
+  REQUIRE(st.m == -INFINITY);
+  REQUIRE(st.s == 0.0);
+  // First visible block: exp_old = 0, not 1.
+  REQUIRE(st.update_max(2.0) == 0.0);
+  st.absorb(st.prob(2.0) + st.prob(1.0));
+  // A lower block: exp_old = 1. A higher one: exp_old = exp(2 - 3).
+  REQUIRE(st.update_max(0.5) == 1.0);
+  const double e = st.update_max(3.0);
+  REQUIRE(e == Approx(std::exp(-1.0)));
+  st.rescale(e);
+  st.absorb(st.prob(3.0));
+  REQUIRE(st.finalize().lse == Approx(std::log(std::exp(2.0) + std::exp(1.0) + std::exp(3.0))));
+}
+
+TEST_CASE("mask_spec classifies tiles exactly where it claims to", "[mask]") {
+  const std::uint64_t seed = GENERATE(range(0, 25));
+  problem_shape s = flashref::test::random_shape(seed);
+  s.Lq = std::max<std::int64_t>(s.Lq, 1), s.Lk = std::max<std::int64_t>(s.Lk, 1);
+  CAPTURE(seed, s.describe());
+  owned_problem op(s, seed);
+  const flashref::mask_spec m = flashref::make_mask_spec(op.p);
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t h = 0; h < s.Hq; ++h)
+      for (std::int64_t q0 = 0; q0 < s.Lq; q0 += 7)
+        for (std::int64_t k0 = 0; k0 < s.Lk; k0 += 11) {
+          const std::int64_t q1 = std::min(q0 + 7, s.Lq), k1 = std::min(k0 + 11, s.Lk);
+          std::int64_t vis = 0;
+          for (std::int64_t i = q0; i < q1; ++i)
+            for (std::int64_t j = k0; j < k1; ++j)
+              vis += m.visible(b, h, i, j);
+          const auto c = m.classify(b, h, q0, q1, k0, k1);
+          if (c == flashref::tile_class::empty) REQUIRE(vis == 0);
+          if (c == flashref::tile_class::full) REQUIRE(vis == (q1 - q0) * (k1 - k0));
+        }
+}

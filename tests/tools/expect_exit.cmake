@@ -1,0 +1,16 @@
+# Runs a command and checks its exit status and its stderr: one line matching a pattern.
+# -DCMD="prog;arg;..." -DEXPECT_RC=2 -DEXPECT_STDERR=regex
+execute_process(COMMAND ${CMD} RESULT_VARIABLE rc OUTPUT_VARIABLE out ERROR_VARIABLE err)
+if(NOT rc EQUAL EXPECT_RC)
+  message(FATAL_ERROR "expected exit status ${EXPECT_RC}, got ${rc}\nstdout: ${out}\nstderr: ${err}")
+endif()
+if(DEFINED EXPECT_STDERR)
+  string(STRIP "${err}" err_stripped)
+  string(FIND "${err_stripped}" "\n" newline)
+  if(NOT newline EQUAL -1)
+    message(FATAL_ERROR "expected one line on stderr, got:\n${err}")
+  endif()
+  if(NOT err_stripped MATCHES "${EXPECT_STDERR}")
+    message(FATAL_ERROR "stderr does not match '${EXPECT_STDERR}':\n${err}")
+  endif()
+endif()
