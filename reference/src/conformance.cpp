@@ -9,9 +9,9 @@ tolerance default_tolerance(input_dtype dtype, double max_abs_v) {
   const double v = std::max(max_abs_v, 1e-30);
   switch (dtype) {
     case input_dtype::bfloat16:
-      return {0x1p-7 * v, 0x1p-7, 0x1p-7};
+      return {0x1p-7 * v, 0x1p-7, 1e-4};
     case input_dtype::float16:
-      return {0x1p-10 * v, 0x1p-10, 0x1p-10};
+      return {0x1p-10 * v, 0x1p-10, 1e-4};
     case input_dtype::float32:
       break;
   }
