@@ -47,7 +47,7 @@ golden naive_attention(const attention_problem& p) {
       const std::int64_t hk = h / group;
       for (std::int64_t i = 0; i < Lq; ++i) {
         const std::size_t row = std::size_t((b * Hq + h) * Lq + i);
-        double* out = &g.o[row * std::size_t(Dv)];
+        double* out = g.o.data() + row * std::size_t(Dv);
         // Pass 1: scores of the visible keys and their max.
         double mx = -kInf;
         bool any = false, nan = false;

@@ -42,7 +42,7 @@ void tiled_attention(const attention_problem& p, tile_shape tile) {
 
           for (std::int64_t r = 0; r < nq; ++r) {
             const std::int64_t i = q0 + r;
-            double* s_row = &score[std::size_t(r * tile.k)];  // (nk)
+            double* s_row = score.data() + r * tile.k;  // (nk)
             // S = scale * Q K^T, masked keys at -inf.
             double block_max = -INFINITY;
             for (std::int64_t c = 0; c < nk; ++c) {
@@ -59,7 +59,7 @@ void tiled_attention(const attention_problem& p, tile_shape tile) {
             }
             // acc = acc * exp(m_old - m_new) + Σ_j exp(s_j - m_new) v_j
             online_softmax<double>& st = state[std::size_t(r)];
-            double* a_row = &acc[std::size_t(r * Dv)];
+            double* a_row = acc.data() + r * Dv;
             const double exp_old = st.update_max(block_max);
             for (std::int64_t d = 0; d < Dv; ++d)
               a_row[d] *= exp_old;
