@@ -1,0 +1,323 @@
+// The CPU backend's driver: validation, the plan (instruction set, tiles, split-KV), the
+// OpenMP schedule and the fixed-order merge of split partial results. The arithmetic lives in
+// the kernels (kernel_body.inc), compiled once per instruction set.
+#include "flashref/cpu/attention.hpp"
+
+#include <omp.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <vector>
+
+#if defined(FLASHREF_CPU_X86)
+#include <xmmintrin.h>
+#endif
+
+#include "flashref/reference/merge.hpp"
+#include "kernel.hpp"
+
+namespace flashref::cpu {
+
+namespace {
+
+using detail::context;
+using detail::kernel_table;
+using detail::out_rows;
+using detail::thread_workspace;
+using detail::work_item;
+
+// Split-KV: decode-like shapes have too few (batch, head, query tile) items to keep many
+// cores busy, so their keys are cut into chunks whose partial results (O, LSE) are merged
+// in a fixed order (SPEC §5). The decision reads the shape and the tile sizes only — never
+// the thread count — so every thread count computes the same bits.
+constexpr std::int64_t kMinItems = 128;       // aim for at least this many work items
+constexpr std::int64_t kMinChunkKeys = 1024;  // never cut the keys finer than this
+
+std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
+  return (a + b - 1) / b;
+}
+
+const kernel_table* table_of(isa i) {
+  switch (i) {
+    case isa::portable:
+      return &detail::portable_kernels();
+#if defined(FLASHREF_CPU_X86)
+    case isa::avx2:
+      return &detail::avx2_kernels();
+    case isa::avx512:
+      return &detail::avx512_kernels();
+#endif
+    default:
+      return nullptr;
+  }
+}
+
+bool processor_runs(isa i) {
+#if defined(FLASHREF_CPU_X86)
+  __builtin_cpu_init();
+  if (i == isa::avx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (i == isa::avx512)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
+#endif
+  return i == isa::portable;
+}
+
+std::string supported_list() {
+  std::string s;
+  for (isa i : supported_isas()) {
+    if (!s.empty()) s.append(", ");
+    s.append(to_string(i));
+  }
+  return s;
+}
+
+[[noreturn]] void fail(const std::string& field, const std::string& expected,
+                       const std::string& got) {
+  throw problem_error(field + ": expected " + expected + ", got " + got);
+}
+
+[[noreturn]] void unsupported(isa i) {
+  std::string expected = "one of the instruction sets this processor runs (";
+  expected.append(supported_list()).append(")");
+  std::string got = "'";
+  got.append(to_string(i)).append("'");
+  fail("isa", expected, got);
+}
+
+struct free_deleter {
+  void operator()(float* p) const { std::free(p); }
+};
+
+// Flush denormals to zero inside the kernels (and restore the caller's mode): a denormal
+// product p * v costs a microcode assist on many processors and is below every tolerance.
+class denormals_as_zero {
+ public:
+#if defined(FLASHREF_CPU_X86)
+  denormals_as_zero() : saved_(_mm_getcsr()) {
+    _mm_setcsr(saved_ | 0x8040u);
+  }  // FTZ | DAZ
+  ~denormals_as_zero() {
+    _mm_setcsr(saved_);
+  }
+
+ private:
+  unsigned saved_;
+#endif
+};
+
+}  // namespace
+
+const char* to_string(isa i) {
+  switch (i) {
+    case isa::automatic:
+      return "automatic";
+    case isa::portable:
+      return "portable";
+    case isa::avx2:
+      return "avx2";
+    case isa::avx512:
+      return "avx512";
+  }
+  return "?";
+}
+
+isa parse_isa(const std::string& s) {
+  for (isa i : {isa::automatic, isa::portable, isa::avx2, isa::avx512})
+    if (s == to_string(i)) return i;
+  std::string got = "'";
+  got.append(s).append("'");
+  fail("isa", "one of automatic, portable, avx2, avx512", got);
+}
+
+bool compiled(isa i) {
+  return i != isa::automatic && table_of(i) != nullptr;
+}
+
+bool supported(isa i) {
+  return compiled(i) && processor_runs(i);
+}
+
+std::vector<isa> supported_isas() {
+  std::vector<isa> out;
+  for (isa i : {isa::portable, isa::avx2, isa::avx512})
+    if (supported(i)) out.push_back(i);
+  return out;
+}
+
+isa best_isa() {
+  return supported_isas().back();
+}
+
+plan make_plan(const attention_problem& p, const options& opt) {
+  validate(p);
+  // Options: sizes are positive or 0 for "the default".
+  if (opt.tile_q < 0) fail("tile_q", ">= 0 (0 = default)", std::to_string(opt.tile_q));
+  if (opt.tile_k < 0) fail("tile_k", ">= 0 (0 = default)", std::to_string(opt.tile_k));
+  if (opt.threads < 0) fail("threads", ">= 0 (0 = default)", std::to_string(opt.threads));
+  if (opt.kv_chunk < 0) fail("kv_chunk", ">= 0 (0 = automatic)", std::to_string(opt.kv_chunk));
+  plan pl;
+  pl.used = opt.instruction_set == isa::automatic ? best_isa() : opt.instruction_set;
+  if (!supported(pl.used))  // forced on a processor (or build) without it
+    unsupported(pl.used);
+  const kernel_table& kt = *table_of(pl.used);
+  pl.tile_q = opt.tile_q > 0 ? opt.tile_q : kt.default_tq;
+  pl.tile_k = opt.tile_k > 0 ? opt.tile_k : kt.default_tk;
+  pl.threads = opt.threads > 0 ? opt.threads : omp_get_max_threads();
+
+  const std::int64_t Lk = p.len_k();
+  const std::int64_t items = p.batch() * p.heads_q() * ceil_div(p.len_q(), pl.tile_q);
+  std::int64_t chunk = Lk;
+  if (opt.kv_chunk > 0) {
+    chunk = opt.kv_chunk;
+  } else if (items > 0 && items < kMinItems && Lk >= 2 * kMinChunkKeys) {
+    chunk = std::max(kMinChunkKeys, ceil_div(Lk, ceil_div(kMinItems, items)));
+  }
+  chunk = ceil_div(chunk, pl.tile_k) * pl.tile_k;  // chunks hold whole tiles
+  pl.kv_splits = Lk > 0 && chunk < Lk ? ceil_div(Lk, chunk) : 1;
+  pl.kv_chunk = pl.kv_splits > 1 ? chunk : Lk;
+  return pl;
+}
+
+void attention(const attention_problem& p) {
+  attention(p, options{});
+}
+
+void attention(const attention_problem& p, const options& opt) {
+  const plan pl = make_plan(p, opt);
+  const kernel_table& kt = *table_of(pl.used);
+  const std::int64_t B = p.batch(), Hq = p.heads_q(), Lq = p.len_q(), Lk = p.len_k();
+  const std::int64_t Dv = p.head_dim_v();
+  if (B * Hq * Lq == 0) return;  // O and LSE have no elements
+
+  context ctx;
+  ctx.p = &p;
+  ctx.mask = make_mask_spec(p);
+  ctx.scale = float(p.softmax_scale());
+  ctx.Lq = Lq;
+  ctx.Lk = Lk;
+  ctx.D = p.head_dim();
+  ctx.Dv = Dv;
+  ctx.group = p.group_size();
+  ctx.tq = pl.tile_q;
+  ctx.tk = pl.tile_k;
+
+  const std::int64_t nqt = ceil_div(Lq, pl.tile_q), splits = pl.kv_splits;
+  const std::int64_t items = B * Hq * nqt * splits;
+  // Split partial results: (splits, B, Hq, Lq, Dv) and (splits, B, Hq, Lq). Only decode-like
+  // shapes split, so this stays small.
+  std::vector<float> part_o, part_lse;
+  if (splits > 1) {
+    part_o.resize(std::size_t(splits * B * Hq * Lq * Dv));
+    part_lse.resize(std::size_t(splits * B * Hq * Lq));
+  }
+  const std::size_t ws_floats = kt.workspace_floats(ctx);
+  const std::size_t ws_bytes = (ws_floats * sizeof(float) + 63) / 64 * 64 + 64;
+  const std::size_t vis_bytes =
+      std::size_t((ceil_div(pl.tile_k, 16) + 1) * 16 * (ceil_div(pl.tile_q, 16) + 1) * 16);
+  const int threads = int(std::min<std::int64_t>(pl.threads, std::max<std::int64_t>(items, 1)));
+
+#pragma omp parallel num_threads(threads)
+  {
+    const denormals_as_zero ftz;
+    thread_workspace ws;
+    std::unique_ptr<float, free_deleter> buffer(
+        static_cast<float*>(std::aligned_alloc(64, ws_bytes)));
+    ws.f = buffer.get();
+    ws.state.resize(std::size_t(pl.tile_q));
+    ws.range.resize(std::size_t(pl.tile_q));
+    ws.visible.resize(vis_bytes);
+
+    // Heaviest first: with a causal mask the last query tiles see the most keys.
+#pragma omp for schedule(dynamic, 1)
+    for (std::int64_t idx = 0; idx < items; ++idx) {
+      std::int64_t rest = idx;
+      const std::int64_t c = rest % splits;
+      rest /= splits;
+      const std::int64_t h = rest % Hq;
+      rest /= Hq;
+      const std::int64_t b = rest % B;
+      const std::int64_t qt = nqt - 1 - rest / B;
+      work_item it;
+      it.b = b;
+      it.h = h;
+      it.q0 = qt * pl.tile_q;
+      it.q1 = std::min(it.q0 + pl.tile_q, Lq);
+      it.k0 = c * pl.kv_chunk;
+      it.k1 = std::min(it.k0 + pl.kv_chunk, Lk);
+      out_rows out;
+      if (splits == 1) {
+        out.o = p.o.data + b * p.o.stride[0] + h * p.o.stride[1] + it.q0 * p.o.stride[2];
+        out.o_row = p.o.stride[2];
+        out.o_col = p.o.stride[3];
+        if (p.lse.data != nullptr) {
+          out.lse =
+              p.lse.data + b * p.lse.stride[0] + h * p.lse.stride[1] + it.q0 * p.lse.stride[2];
+          out.lse_row = p.lse.stride[2];
+        }
+      } else {
+        const std::int64_t row = ((c * B + b) * Hq + h) * Lq + it.q0;
+        out.o = part_o.data() + row * Dv;
+        out.o_row = Dv;
+        out.o_col = 1;
+        out.lse = part_lse.data() + row;
+        out.lse_row = 1;
+      }
+      kt.run(ctx, it, out, ws);
+    }
+
+    if (splits > 1) {
+      // Fold the chunks of each row left to right: the same order on any thread count.
+      std::vector<float> o_row(static_cast<std::size_t>(Dv));
+      const std::int64_t rows = B * Hq * Lq;
+#pragma omp for schedule(static)
+      for (std::int64_t row = 0; row < rows; ++row) {
+        std::copy_n(part_o.data() + row * Dv, Dv, o_row.data());
+        float lse = part_lse[std::size_t(row)];
+        for (std::int64_t c = 1; c < splits; ++c) {
+          const std::int64_t at = c * rows + row;
+          lse = merge_partials(o_row.data(), lse, part_o.data() + at * Dv,
+                               part_lse[std::size_t(at)], Dv, o_row.data());
+        }
+        const std::int64_t i = row % Lq, h = row / Lq % Hq, b = row / (Lq * Hq);
+        float* o = p.o.data + b * p.o.stride[0] + h * p.o.stride[1] + i * p.o.stride[2];
+        for (std::int64_t d = 0; d < Dv; ++d)
+          o[d * p.o.stride[3]] = o_row[std::size_t(d)];
+        if (p.lse.data != nullptr)
+          p.lse.data[b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2]] = lse;
+      }
+    }
+  }
+}
+
+double peak_fma_gflops(isa i, int threads, double seconds) {
+  if (i == isa::automatic) i = best_isa();
+  if (!supported(i)) unsupported(i);
+  if (threads < 1) fail("threads", ">= 1", std::to_string(threads));
+  const kernel_table& kt = *table_of(i);
+  using clock = std::chrono::steady_clock;
+  // Calibrate on one thread, then run every thread for about `seconds`.
+  std::int64_t iters = 1 << 16;
+  double per_iter = 0;
+  for (;;) {
+    const auto t0 = clock::now();
+    kt.fma_loop(iters);
+    const double s = std::chrono::duration<double>(clock::now() - t0).count();
+    if (s > 0.02) {
+      per_iter = s / double(iters);
+      break;
+    }
+    iters *= 4;
+  }
+  const std::int64_t n = std::max<std::int64_t>(1, std::int64_t(seconds / per_iter));
+  double flops = 0;
+  const auto t0 = clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : flops)
+  flops += kt.fma_loop(n);
+  const double s = std::chrono::duration<double>(clock::now() - t0).count();
+  return flops / s * 1e-9;
+}
+
+}  // namespace flashref::cpu

@@ -1,0 +1,96 @@
+// The kernels compiled for AVX2 + FMA. Only called after a run-time check of the processor
+// (attention.cpp); the rest of the library is compiled for the baseline.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include <immintrin.h>
+
+#include "isa_exp.hpp"
+#include "kernel.hpp"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#endif
+
+namespace flashref::cpu::detail::avx2 {
+namespace {
+
+struct vec {
+  using reg = __m256;
+  static constexpr int W = 8;
+  static constexpr int kQkRows = 6, kQkVecs = 2;  // 12 accumulators of 16 registers
+  static constexpr int kPvRows = 6, kPvVecs = 2;
+  static constexpr int kPeakAccumulators = 12;
+  static constexpr std::int64_t kTileQ = 128, kTileK = 128;
+
+  static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
+  static reg set1(float x) { return _mm256_set1_ps(x); }
+  static reg zero() { return _mm256_setzero_ps(); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg fma(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static reg max(reg a, reg b) { return _mm256_max_ps(a, b); }
+  static float reduce_add(reg x) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static float reduce_max(reg x) {
+    __m128 s = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+    s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_max_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+  }
+  static reg exp(reg x) {
+    const reg under = _mm256_cmp_ps(x, set1(kExpLo), _CMP_LT_OQ);     // false for NaN
+    x = _mm256_min_ps(set1(kExpHi), _mm256_max_ps(set1(kExpLo), x));  // keeps NaN
+    const reg n =
+        _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    reg r = _mm256_fnmadd_ps(n, set1(kLn2Hi), x);
+    r = _mm256_fnmadd_ps(n, set1(kLn2Lo), r);
+    reg y = set1(kExpP0);
+    y = fma(y, r, set1(kExpP1));
+    y = fma(y, r, set1(kExpP2));
+    y = fma(y, r, set1(kExpP3));
+    y = fma(y, r, set1(kExpP4));
+    y = fma(y, r, set1(kExpP5));
+    y = fma(y, mul(r, r), add(r, set1(1.0f)));
+    // 2^n from the exponent bits; n is in [-126, 127] after the clamp.
+    const __m256i e =
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    y = mul(y, _mm256_castsi256_ps(e));
+    return _mm256_andnot_ps(under, y);
+  }
+};
+
+#include "kernel_body.inc"
+
+}  // namespace
+
+const kernel_table& table() {
+  static const kernel_table t{isa::avx2,        W,   vec::kTileQ, vec::kTileK,
+                              workspace_floats, run, fma_loop};
+  return t;
+}
+
+}  // namespace flashref::cpu::detail::avx2
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+namespace flashref::cpu::detail {
+const kernel_table& avx2_kernels() {
+  return avx2::table();
+}
+}  // namespace flashref::cpu::detail

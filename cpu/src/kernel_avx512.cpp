@@ -1,0 +1,90 @@
+// The kernels compiled for AVX-512 (F + DQ). Only called after a run-time check of the
+// processor (attention.cpp); the rest of the library is compiled for the baseline.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+// GCC 12's AVX-512 intrinsics initialise a register from itself (`__m512 __Y = __Y;`, GCC bug
+// 105593), which -Wuninitialized reports once the intrinsics are inlined here.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+#include <immintrin.h>
+
+#include "isa_exp.hpp"
+#include "kernel.hpp"
+
+#if defined(__clang__)
+#pragma clang attribute push(__attribute__((target("avx512f,avx512dq,avx2,fma"))), \
+                             apply_to = function)
+#else
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512dq,avx2,fma")
+#endif
+
+namespace flashref::cpu::detail::avx512 {
+namespace {
+
+struct vec {
+  using reg = __m512;
+  static constexpr int W = 16;
+  static constexpr int kQkRows = 8, kQkVecs = 2;  // 16 accumulators
+  static constexpr int kPvRows = 8, kPvVecs = 2;
+  static constexpr int kPeakAccumulators = 16;
+  static constexpr std::int64_t kTileQ = 128, kTileK = 128;
+
+  static reg load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, reg x) { _mm512_storeu_ps(p, x); }
+  static reg set1(float x) { return _mm512_set1_ps(x); }
+  static reg zero() { return _mm512_setzero_ps(); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
+  static reg sub(reg a, reg b) { return _mm512_sub_ps(a, b); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg fma(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
+  static float reduce_add(reg x) { return _mm512_reduce_add_ps(x); }
+  static float reduce_max(reg x) { return _mm512_reduce_max_ps(x); }
+  static reg exp(reg x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, set1(kExpLo), _CMP_LT_OQ);  // false for NaN
+    x = _mm512_min_ps(set1(kExpHi), _mm512_max_ps(set1(kExpLo), x));          // keeps NaN
+    const reg n =
+        _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    reg r = _mm512_fnmadd_ps(n, set1(kLn2Hi), x);
+    r = _mm512_fnmadd_ps(n, set1(kLn2Lo), r);
+    reg y = set1(kExpP0);
+    y = fma(y, r, set1(kExpP1));
+    y = fma(y, r, set1(kExpP2));
+    y = fma(y, r, set1(kExpP3));
+    y = fma(y, r, set1(kExpP4));
+    y = fma(y, r, set1(kExpP5));
+    y = fma(y, mul(r, r), add(r, set1(1.0f)));
+    y = _mm512_scalef_ps(y, n);  // y · 2^n
+    return _mm512_maskz_mov_ps(__mmask16(~under), y);
+  }
+};
+
+#include "kernel_body.inc"
+
+}  // namespace
+
+const kernel_table& table() {
+  static const kernel_table t{isa::avx512,      W,   vec::kTileQ, vec::kTileK,
+                              workspace_floats, run, fma_loop};
+  return t;
+}
+
+}  // namespace flashref::cpu::detail::avx512
+
+#if defined(__clang__)
+#pragma clang attribute pop
+#else
+#pragma GCC pop_options
+#endif
+
+namespace flashref::cpu::detail {
+const kernel_table& avx512_kernels() {
+  return avx512::table();
+}
+}  // namespace flashref::cpu::detail

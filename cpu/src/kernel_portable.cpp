@@ -1,0 +1,109 @@
+// The portable kernels: plain C++ over fixed-size float arrays, which the compiler vectorises
+// for whatever baseline the library is built for (SSE2 on x86-64). The fallback on processors
+// without AVX2 and on other architectures.
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "isa_exp.hpp"
+#include "kernel.hpp"
+
+namespace flashref::cpu::detail::portable {
+namespace {
+
+struct vec {
+  static constexpr int W = 8;
+  struct reg {
+    float v[W];
+  };
+  static constexpr int kQkRows = 4, kQkVecs = 2;
+  static constexpr int kPvRows = 4, kPvVecs = 2;
+  static constexpr int kPeakAccumulators = 8;
+  static constexpr std::int64_t kTileQ = 32, kTileK = 64;
+
+  template <class F>
+  static reg map(F f) {
+    reg r;
+    for (int l = 0; l < W; ++l)
+      r.v[l] = f(l);
+    return r;
+  }
+  static reg load(const float* p) {
+    return map([&](int l) { return p[l]; });
+  }
+  static void store(float* p, const reg& x) {
+    for (int l = 0; l < W; ++l)
+      p[l] = x.v[l];
+  }
+  static reg set1(float x) {
+    return map([&](int) { return x; });
+  }
+  static reg zero() { return set1(0.0f); }
+  static reg add(const reg& a, const reg& b) {
+    return map([&](int l) { return a.v[l] + b.v[l]; });
+  }
+  static reg sub(const reg& a, const reg& b) {
+    return map([&](int l) { return a.v[l] - b.v[l]; });
+  }
+  static reg mul(const reg& a, const reg& b) {
+    return map([&](int l) { return a.v[l] * b.v[l]; });
+  }
+  static reg fma(const reg& a, const reg& b, const reg& c) {
+    return map([&](int l) { return a.v[l] * b.v[l] + c.v[l]; });
+  }
+  static reg max(const reg& a, const reg& b) {  // like maxps: the second operand on NaN
+    return map([&](int l) { return a.v[l] > b.v[l] ? a.v[l] : b.v[l]; });
+  }
+  static float reduce_add(const reg& x) {
+    float s = 0.0f;
+    for (int l = 0; l < W; ++l)
+      s += x.v[l];
+    return s;
+  }
+  static float reduce_max(const reg& x) {
+    float m = x.v[0];
+    for (int l = 1; l < W; ++l)
+      m = x.v[l] > m ? x.v[l] : m;
+    return m;
+  }
+  static float exp1(float x) {
+    if (x < kExpLo) return 0.0f;  // also -inf; false for NaN
+    x = std::min(x, kExpHi);
+    const float n = std::nearbyint(x * kLog2e);
+    float r = x - n * kLn2Hi;
+    r = r - n * kLn2Lo;
+    float y = kExpP0;
+    y = y * r + kExpP1;
+    y = y * r + kExpP2;
+    y = y * r + kExpP3;
+    y = y * r + kExpP4;
+    y = y * r + kExpP5;
+    y = y * (r * r) + (r + 1.0f);
+    if (std::isnan(y)) return y;
+    const std::uint32_t e = std::uint32_t(int(n) + 127) << 23;  // 2^n, n in [-126, 127]
+    return y * std::bit_cast<float>(e);
+  }
+  static reg exp(const reg& x) {
+    return map([&](int l) { return exp1(x.v[l]); });
+  }
+};
+
+#include "kernel_body.inc"
+
+}  // namespace
+
+const kernel_table& table() {
+  static const kernel_table t{isa::portable,    W,   vec::kTileQ, vec::kTileK,
+                              workspace_floats, run, fma_loop};
+  return t;
+}
+
+}  // namespace flashref::cpu::detail::portable
+
+namespace flashref::cpu::detail {
+const kernel_table& portable_kernels() {
+  return portable::table();
+}
+}  // namespace flashref::cpu::detail
