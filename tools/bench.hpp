@@ -25,6 +25,13 @@ struct bench_record {
   double flops = 0;     // counted per SPEC §8 (effective for block-sparse)
   double gflops = 0;    // flops / median_s * 1e-9
   std::string note;     // free text (e.g. bandwidth for decode)
+  // Filled by the CPU grid where they apply (0 = not measured):
+  std::string isa;           // instruction set of the CPU kernels (or of the peak loop)
+  double peak_fraction = 0;  // gflops / measured peak FMA rate on the same threads
+  double vs_naive = 0;       // openblas_naive time / this time, same point and threads
+  double vs_reference = 0;   // scalar tiled reference time / this time, same point
+  double vs_dense = 0;       // this time / dense time at the same shape (masked points)
+  double gbps = 0;           // decode: GB/s of K and V read; copy_bandwidth: GB/s moved
 };
 
 }  // namespace flashref::cli

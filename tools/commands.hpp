@@ -14,5 +14,6 @@ namespace flashref::cli {
 using exit_slot = std::shared_ptr<int>;
 
 void add_demo(CLI::App& app, exit_slot status);
+void add_bench(CLI::App& app, exit_slot status);  // the CPU grid (bench.cpp)
 
 }  // namespace flashref::cli

@@ -11,6 +11,9 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   auto status = std::make_shared<int>(0);
   flashref::cli::add_demo(app, status);
+#if defined(FLASHREF_HAVE_CPU_BENCH)
+  flashref::cli::add_bench(app, status);
+#endif
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

@@ -1,0 +1,641 @@
+// flashref bench — the CPU benchmark grid of SPEC §8 with its baselines measured in the same
+// run: the processor's peak fp32 FMA rate and copy bandwidth, naive materialised attention
+// over OpenBLAS sgemm (what many users would write) and the scalar tiled reference.
+//
+// FLOPs: 2 · B · Hq · Lq · Lk · (D + Dv) for dense, times the fraction of visible blocks for
+// block-sparse, exactly 1/2 for square causal, and the visible (query, key) pairs for a local
+// window. Times are medians over repetitions after one warm-up run.
+
+#include <cblas.h>
+#include <omp.h>
+#include <sys/resource.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench.hpp"
+#include "commands.hpp"
+#include "flashref/cpu/attention.hpp"
+#include "flashref/flashref.hpp"
+#include "flashref/reference/mask.hpp"
+#include "flashref/testdata/random.hpp"
+
+namespace flashref::cli {
+
+namespace {
+
+struct bench_options {
+  std::vector<std::string> backends{"cpu"};
+  std::vector<std::int64_t> lengths{512, 1024, 2048, 4096};
+  std::vector<std::int64_t> head_dims{64, 128};
+  std::vector<std::string> masks{"dense", "causal", "block_sparse", "local_window"};
+  std::vector<double> densities{0.5, 0.2, 0.05};
+  std::int64_t tokens = 4096;  // B · L on the grid
+  std::int64_t model = 2048;   // Hq · D on the grid
+  bool targets = true;         // the target points (D = 128, L = 4096, 8 heads; decode)
+  bool baselines = true;       // peak FMA, copy bandwidth, OpenBLAS naive, reference
+  double seconds = 0.3;        // timed repetitions per point fill about this long
+  std::string isa = "automatic";
+  std::string json, plot;
+  bool memory_check = false;
+  std::uint64_t seed = 2024;
+};
+
+using clock_type = std::chrono::steady_clock;
+
+double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+// One warm-up run, then at least 3 timed runs and about `seconds` in total; the median.
+template <class F>
+double median_time(F&& run, double seconds) {
+  run();
+  std::vector<double> t;
+  const auto start = clock_type::now();
+  while (t.size() < 3 || (seconds_since(start) < seconds && t.size() < 50)) {
+    const auto t0 = clock_type::now();
+    run();
+    t.push_back(seconds_since(t0));
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+// The inputs and outputs of one grid point, owned.
+struct bench_data {
+  bench_point pt;
+  std::vector<float> q, k, v, o, lse;
+  std::vector<std::uint8_t> mask;
+  attention_problem p;
+  double flops = 0;
+  double density = 1;  // fraction of (query, key) pairs computed
+};
+
+void fill_uniform(std::vector<float>& x, std::size_t n, std::uint64_t seed, std::uint64_t stream) {
+  const testdata::counter_rng r(seed, stream);
+  x.resize(n);
+  for (std::size_t i = 0; i < n; ++i)
+    x[i] = float(2.0 * r.uniform(i) - 1.0);
+}
+
+void make_data(bench_data& d, const bench_point& pt, std::uint64_t seed) {
+  d.pt = pt;
+  const std::int64_t B = pt.B, Hq = pt.Hq, Hk = pt.Hk, Lq = pt.Lq, Lk = pt.Lk;
+  fill_uniform(d.q, std::size_t(B * Hq * Lq * pt.D), seed, 0);
+  fill_uniform(d.k, std::size_t(B * Hk * Lk * pt.D), seed, 1);
+  fill_uniform(d.v, std::size_t(B * Hk * Lk * pt.Dv), seed, 2);
+  d.o.assign(std::size_t(B * Hq * Lq * pt.Dv), 0.0f);
+  d.lse.assign(std::size_t(B * Hq * Lq), 0.0f);
+  attention_problem& p = d.p;
+  p = attention_problem{};
+  p.q = contiguous<const float, 4>(d.q.data(), {B, Hq, Lq, pt.D});
+  p.k = contiguous<const float, 4>(d.k.data(), {B, Hk, Lk, pt.D});
+  p.v = contiguous<const float, 4>(d.v.data(), {B, Hk, Lk, pt.Dv});
+  p.o = contiguous<float, 4>(d.o.data(), {B, Hq, Lq, pt.Dv});
+  p.lse = contiguous<float, 3>(d.lse.data(), {B, Hq, Lq});
+  d.density = 1.0;
+  if (pt.mask == "causal") {
+    p.causal = causal_mode::bottom_right;
+    d.density = Lq == Lk ? 0.5 : -1;  // SPEC §8: exactly 1/2 for square causal
+  } else if (pt.mask == "local_window") {
+    p.window_left = p.window_right = pt.window;
+    d.density = -1;
+  } else if (pt.mask == "block_sparse") {
+    // Block (h, qb, kb) is visible with probability `density`, broadcast over the batch.
+    const std::int64_t nqb = (Lq + pt.block - 1) / pt.block, nkb = (Lk + pt.block - 1) / pt.block;
+    const testdata::counter_rng r(seed, 3);
+    d.mask.resize(std::size_t(Hq * nqb * nkb));
+    std::int64_t on = 0;
+    for (std::size_t i = 0; i < d.mask.size(); ++i) {
+      d.mask[i] = r.uniform(i) < pt.density;
+      on += d.mask[i];
+    }
+    p.block_mask = contiguous<const std::uint8_t, 4>(d.mask.data(), {1, Hq, nqb, nkb});
+    p.block_q = p.block_k = pt.block;
+    d.density = -1;
+  }
+  if (d.density < 0) {  // count the visible pairs of the computed blocks exactly
+    const mask_spec m = make_mask_spec(p);
+    double pairs = 0;
+    for (std::int64_t h = 0; h < Hq; ++h) {
+      for (std::int64_t i = 0; i < Lq; ++i) {
+        const key_range r = m.row_range(0, i);
+        if (m.block_mask == nullptr) {
+          pairs += double(std::max<std::int64_t>(0, r.hi - r.lo));
+          continue;
+        }
+        for (std::int64_t kb = 0; kb * pt.block < Lk; ++kb) {
+          const std::int64_t lo = std::max(r.lo, kb * pt.block);
+          const std::int64_t hi = std::min(r.hi, (kb + 1) * pt.block);
+          if (hi > lo && m.block_visible(0, h, i / pt.block, kb)) pairs += double(hi - lo);
+        }
+      }
+    }
+    d.density = pairs / (double(Hq) * double(Lq) * double(Lk));
+  }
+  d.flops = dense_flops(p) * d.density;
+}
+
+// Naive materialised attention, as many users would write it: S = scale · Q Kᵀ (sgemm), a
+// row-wise masked softmax over the whole (Lq, Lk) matrix, O = P V (sgemm). Dense and causal.
+struct naive_blas {
+  std::vector<float> s;  // (Lq, Lk) for one head
+
+  void run(bench_data& d) {
+    const bench_point& pt = d.pt;
+    const std::int64_t Lq = pt.Lq, Lk = pt.Lk, D = pt.D, Dv = pt.Dv;
+    s.resize(std::size_t(Lq * Lk));
+    const float scale = float(d.p.softmax_scale());
+    const bool causal = pt.mask == "causal";
+    for (std::int64_t b = 0; b < pt.B; ++b) {
+      for (std::int64_t h = 0; h < pt.Hq; ++h) {
+        const std::int64_t hk = h / (pt.Hq / pt.Hk);
+        const float* q = d.q.data() + (b * pt.Hq + h) * Lq * D;
+        const float* k = d.k.data() + (b * pt.Hk + hk) * Lk * D;
+        const float* v = d.v.data() + (b * pt.Hk + hk) * Lk * Dv;
+        float* o = d.o.data() + (b * pt.Hq + h) * Lq * Dv;
+        float* lse = d.lse.data() + (b * pt.Hq + h) * Lq;
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lq), int(Lk), int(D), scale, q,
+                    int(D), k, int(D), 0.0f, s.data(), int(Lk));
+#pragma omp parallel for schedule(static)
+        for (std::int64_t i = 0; i < Lq; ++i) {
+          float* row = s.data() + i * Lk;
+          const std::int64_t visible = causal ? std::min(Lk, i + (Lk - Lq) + 1) : Lk;
+          float mx = -INFINITY;
+          for (std::int64_t j = 0; j < visible; ++j)
+            mx = std::max(mx, row[j]);
+          float sum = 0;
+          for (std::int64_t j = 0; j < visible; ++j)
+            sum += row[j] = std::exp(row[j] - mx);
+          const float inv = sum > 0 ? 1.0f / sum : 0.0f;
+          for (std::int64_t j = 0; j < visible; ++j)
+            row[j] *= inv;
+          for (std::int64_t j = std::max<std::int64_t>(visible, 0); j < Lk; ++j)
+            row[j] = 0;
+          lse[i] = sum > 0 ? mx + std::log(sum) : -INFINITY;
+        }
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(Lq), int(Dv), int(Lk), 1.0f,
+                    s.data(), int(Lk), v, int(Dv), 0.0f, o, int(Dv));
+      }
+    }
+  }
+};
+
+// Copy bandwidth on `threads` threads: bytes read + written per second (256 MiB each way).
+double copy_bandwidth_gbps(int threads, double seconds) {
+  const std::size_t n = std::size_t(64) << 20;  // floats
+  std::vector<float> a(n, 1.0f), b(n, 0.0f);
+  const double t = median_time(
+      [&] {
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (std::int64_t c = 0; c < 64; ++c) {
+          const std::size_t chunk = n / 64;
+          std::memcpy(b.data() + std::size_t(c) * chunk, a.data() + std::size_t(c) * chunk,
+                      chunk * sizeof(float));
+        }
+      },
+      seconds);
+  return 2.0 * double(n * sizeof(float)) / t * 1e-9;
+}
+
+std::string point_label(const bench_record& r) {
+  std::ostringstream os;
+  os << r.point.mask;
+  if (r.point.mask == "block_sparse") os << ' ' << std::setprecision(3) << r.point.density;
+  return os.str();
+}
+
+void print_header() {
+  std::printf("%-15s %-17s %3s %4s %3s %6s %6s %4s %4s %10s %9s %6s %8s %8s %8s  %s\n", "backend",
+              "mask", "B", "Hq", "Hk", "Lq", "Lk", "D", "thr", "median_ms", "GFLOP/s", "%peak",
+              "vs_naive", "vs_ref", "vs_dense", "note");
+}
+
+void print_record(const bench_record& r) {
+  auto ratio = [](double x) {
+    char buf[32];
+    if (x > 0) {
+      std::snprintf(buf, sizeof buf, "%.2fx", x);
+    } else {
+      std::snprintf(buf, sizeof buf, "-");
+    }
+    return std::string(buf);
+  };
+  char peak[32] = "-";
+  if (r.peak_fraction > 0) std::snprintf(peak, sizeof peak, "%.0f%%", 100 * r.peak_fraction);
+  const bench_point& p = r.point;
+  if (p.mask == "none") {  // a machine baseline: no attention shape
+    std::printf("%-15s %-17s %3s %4s %3s %6s %6s %4s %4d %10s %9.1f %6s %8s %8s %8s  %s\n",
+                r.backend.c_str(), "-", "-", "-", "-", "-", "-", "-", r.threads, "-", r.gflops, "-",
+                "-", "-", "-", r.note.c_str());
+    std::fflush(stdout);
+    return;
+  }
+  std::printf(
+      "%-15s %-17s %3lld %4lld %3lld %6lld %6lld %4lld %4d %10.3f %9.1f %6s %8s %8s %8s  %s\n",
+      r.backend.c_str(), point_label(r).c_str(), (long long)p.B, (long long)p.Hq, (long long)p.Hk,
+      (long long)p.Lq, (long long)p.Lk, (long long)p.D, r.threads, 1e3 * r.median_s, r.gflops, peak,
+      ratio(r.vs_naive).c_str(), ratio(r.vs_reference).c_str(),
+      r.vs_dense > 0 ? (std::to_string(r.vs_dense).substr(0, 5)).c_str() : "-", r.note.c_str());
+  std::fflush(stdout);
+}
+
+nlohmann::json to_json(const bench_record& r) {
+  const bench_point& p = r.point;
+  nlohmann::json j = {{"backend", r.backend},
+                      {"B", p.B},
+                      {"Hq", p.Hq},
+                      {"Hk", p.Hk},
+                      {"Lq", p.Lq},
+                      {"Lk", p.Lk},
+                      {"D", p.D},
+                      {"Dv", p.Dv},
+                      {"mask", p.mask},
+                      {"density", p.density},
+                      {"threads", r.threads},
+                      {"median_s", r.median_s},
+                      {"flops", r.flops},
+                      {"gflops", r.gflops},
+                      {"dtype", p.dtype}};
+  if (p.mask == "none") {  // a machine baseline
+    for (const char* key : {"B", "Hq", "Hk", "Lq", "Lk", "D", "Dv", "density"})
+      j.erase(key);
+  }
+  if (p.mask == "block_sparse") j["block"] = p.block;
+  if (p.mask == "local_window") j["window"] = p.window;
+  if (!r.isa.empty()) j["isa"] = r.isa;
+  if (r.peak_fraction > 0) j["peak_fraction"] = r.peak_fraction;
+  if (r.vs_naive > 0) j["vs_openblas_naive"] = r.vs_naive;
+  if (r.vs_reference > 0) j["vs_reference"] = r.vs_reference;
+  if (r.vs_dense > 0) j["time_vs_dense"] = r.vs_dense;
+  if (r.gbps > 0) j["gbps"] = r.gbps;
+  if (!r.note.empty()) j["note"] = r.note;
+  return j;
+}
+
+// Writes text to path through a temporary file and a rename: never a half-written file.
+void write_atomically(const std::string& path, const std::string& text) {
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream f(tmp, std::ios::binary);
+    f << text;
+    if (!f.good()) throw problem_error("output: expected a writable file, got '" + path + "'");
+  }
+  std::error_code ec;
+  std::filesystem::rename(tmp, path, ec);
+  if (ec) throw problem_error("output: expected a writable file, got '" + path + "'");
+}
+
+// GFLOP/s against sequence length, one line per (mask, head dim), for the cpu backend.
+std::string plot_svg(const std::vector<bench_record>& recs, double peak) {
+  std::map<std::string, std::vector<std::pair<double, double>>> lines;
+  double xmin = 1e30, xmax = 0, ymax = peak;
+  for (const bench_record& r : recs) {
+    if (r.backend != "cpu" || r.note.find("grid") == std::string::npos) continue;
+    const std::string key = point_label(r) + ", D=" + std::to_string(r.point.D);
+    lines[key].push_back({double(r.point.Lk), r.gflops});
+    xmin = std::min(xmin, double(r.point.Lk));
+    xmax = std::max(xmax, double(r.point.Lk));
+    ymax = std::max(ymax, r.gflops);
+  }
+  if (lines.empty()) xmin = 512, xmax = 4096;
+  if (xmax <= xmin) xmax = xmin * 2;
+  const double W = 760, H = 460, L = 70, R = 230, T = 40, Bm = 50;
+  auto X = [&](double x) {
+    return L + (std::log2(x) - std::log2(xmin)) / (std::log2(xmax) - std::log2(xmin)) * (W - L - R);
+  };
+  auto Y = [&](double y) { return H - Bm - y / (ymax * 1.05) * (H - T - Bm); };
+  std::ostringstream s;
+  s << "<svg xmlns='http://www.w3.org/2000/svg' width='" << W << "' height='" << H
+    << "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' "
+       "fill='white'/>\n";
+  s << "<text x='" << L
+    << "' y='22' font-size='15'>flashref cpu: GFLOP/s vs sequence length (fp32)</text>\n";
+  s << "<line x1='" << L << "' y1='" << H - Bm << "' x2='" << W - R << "' y2='" << H - Bm
+    << "' stroke='black'/>\n";
+  s << "<line x1='" << L << "' y1='" << T << "' x2='" << L << "' y2='" << H - Bm
+    << "' stroke='black'/>\n";
+  for (double x = xmin; x <= xmax * 1.001; x *= 2)
+    s << "<text x='" << X(x) << "' y='" << H - Bm + 18 << "' text-anchor='middle'>" << x
+      << "</text>\n";
+  s << "<text x='" << (L + W - R) / 2 << "' y='" << H - 12
+    << "' text-anchor='middle'>sequence length L</text>\n";
+  for (int t = 0; t <= 5; ++t) {
+    const double y = ymax * 1.05 * t / 5;
+    s << "<text x='" << L - 6 << "' y='" << Y(y) + 4 << "' text-anchor='end'>" << int(y)
+      << "</text>\n";
+    s << "<line x1='" << L << "' y1='" << Y(y) << "' x2='" << W - R << "' y2='" << Y(y)
+      << "' stroke='#ddd'/>\n";
+  }
+  if (peak > 0) {
+    s << "<line x1='" << L << "' y1='" << Y(peak) << "' x2='" << W - R << "' y2='" << Y(peak)
+      << "' stroke='#888' stroke-dasharray='6,4'/>\n<text x='" << W - R - 4 << "' y='"
+      << Y(peak) - 5 << "' text-anchor='end' fill='#555'>measured peak FMA</text>\n";
+  }
+  const char* colors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
+                          "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939"};
+  int n = 0;
+  for (auto& [key, pts] : lines) {
+    std::sort(pts.begin(), pts.end());
+    const char* c = colors[n % 12];
+    const bool dashed = key.find("D=64") != std::string::npos;
+    s << "<polyline fill='none' stroke='" << c << "' stroke-width='2'"
+      << (dashed ? " stroke-dasharray='5,3'" : "") << " points='";
+    for (auto [x, y] : pts)
+      s << X(x) << ',' << Y(y) << ' ';
+    s << "'/>\n";
+    for (auto [x, y] : pts)
+      s << "<circle cx='" << X(x) << "' cy='" << Y(y) << "' r='3' fill='" << c << "'/>\n";
+    const double ly = T + 10 + 18 * n;
+    s << "<line x1='" << W - R + 12 << "' y1='" << ly << "' x2='" << W - R + 40 << "' y2='" << ly
+      << "' stroke='" << c << "' stroke-width='2'" << (dashed ? " stroke-dasharray='5,3'" : "")
+      << "/>\n";
+    s << "<text x='" << W - R + 46 << "' y='" << ly + 4 << "'>" << key << "</text>\n";
+    ++n;
+  }
+  s << "</svg>\n";
+  return s.str();
+}
+
+long peak_rss_mib() {
+  rusage u{};
+  getrusage(RUSAGE_SELF, &u);
+  return u.ru_maxrss / 1024;  // kilobytes on Linux
+}
+
+// Peak resident memory for causal L = 8192, 16384, 32768 (one head, D = 128): it grows with
+// the inputs (linear in L), not with an Lq x Lk matrix.
+void memory_check(const cpu::options& copt) {
+  std::printf("%8s %14s %16s %18s %12s\n", "L", "inputs_MiB", "peak_rss_MiB", "LqxLk_fp32_MiB",
+              "seconds");
+  std::printf("%8s %14s %16ld %18s %12s\n", "start", "-", peak_rss_mib(), "-", "-");
+  for (std::int64_t L : {8192, 16384, 32768}) {
+    bench_point pt;
+    pt.mask = "causal";
+    pt.B = 1, pt.Hq = pt.Hk = 1, pt.Lq = pt.Lk = L, pt.D = pt.Dv = 128;
+    bench_data d;
+    make_data(d, pt, 1);
+    const auto t0 = clock_type::now();
+    cpu::attention(d.p, copt);
+    const double s = seconds_since(t0);
+    const double inputs =
+        double(d.q.size() + d.k.size() + d.v.size() + d.o.size() + d.lse.size()) * 4.0 / (1 << 20);
+    std::printf("%8lld %14.1f %16ld %18.0f %12.2f\n", (long long)L, inputs, peak_rss_mib(),
+                double(L) * double(L) * 4.0 / (1 << 20), s);
+    std::fflush(stdout);
+  }
+}
+
+int run_bench(const bench_options& opt) {
+  for (const std::string& b : opt.backends) {
+    if (b != "cpu" && b != "reference")  // the GPU grid is its own command
+      throw problem_error(
+          "backend: expected cpu or reference (the GPU grid is `flashref bench-gpu`), got '" + b +
+          "'");
+  }
+  for (const std::string& m : opt.masks) {
+    if (m != "dense" && m != "causal" && m != "block_sparse" && m != "local_window")
+      throw problem_error("masks: expected dense, causal, block_sparse or local_window, got '" + m +
+                          "'");
+  }
+  for (std::int64_t L : opt.lengths)
+    if (L < 1) throw problem_error("lengths: expected positive lengths, got " + std::to_string(L));
+  for (std::int64_t D : opt.head_dims)
+    if (D < 1 || opt.model % D != 0)  // Hq = model / D heads
+      throw problem_error("head-dims: expected divisors of --model " + std::to_string(opt.model) +
+                          ", got " + std::to_string(D));
+  if (opt.tokens < 1)
+    throw problem_error("tokens: expected >= 1, got " + std::to_string(opt.tokens));
+  cpu::options copt;
+  copt.instruction_set = cpu::parse_isa(opt.isa);
+  if (copt.instruction_set != cpu::isa::automatic && !cpu::supported(copt.instruction_set))
+    throw problem_error(std::string("isa: expected an instruction set this processor runs, got '") +
+                        opt.isa + "'");
+  if (opt.memory_check) {
+    memory_check(copt);
+    return 0;
+  }
+  const cpu::isa used =
+      copt.instruction_set == cpu::isa::automatic ? cpu::best_isa() : copt.instruction_set;
+  const int threads = omp_get_max_threads();
+  openblas_set_num_threads(threads);
+  std::printf("flashref bench: %d threads (OMP_NUM_THREADS), cpu kernels %s\n", threads,
+              cpu::to_string(used));
+  std::vector<bench_record> recs;
+  print_header();
+
+  // Baselines of the machine.
+  double peak = 0;
+  if (opt.baselines) {
+    bench_record r;
+    r.backend = "peak_fma";
+    r.threads = threads;
+    r.isa = cpu::to_string(used);
+    r.gflops = cpu::peak_fma_gflops(used, threads, 0.3);
+    r.point.mask = "none";
+    r.note = std::string("register-only ") + r.isa + " FMA loop";
+    peak = r.gflops;
+    print_record(r);
+    recs.push_back(r);
+    bench_record c;
+    c.backend = "copy_bandwidth";
+    c.threads = threads;
+    c.point.mask = "none";
+    c.gbps = copy_bandwidth_gbps(threads, 0.5);
+    c.note = std::to_string(int(c.gbps)) + " GB/s read+write (memcpy, 256 MiB)";
+    print_record(c);
+    recs.push_back(c);
+  }
+
+  // The points: the grid (tokens, model) and the targets.
+  std::vector<std::pair<bench_point, std::string>> points;
+  for (std::int64_t D : opt.head_dims) {
+    for (std::int64_t L : opt.lengths) {
+      bench_point base;
+      base.B = std::max<std::int64_t>(1, opt.tokens / L);
+      base.Hq = base.Hk = opt.model / D;
+      base.Lq = base.Lk = L;
+      base.D = base.Dv = D;
+      for (const std::string& m : opt.masks) {
+        bench_point pt = base;
+        pt.mask = m;
+        if (m != "block_sparse") {
+          points.push_back({pt, "grid"});
+          continue;
+        }
+        for (double dens : opt.densities) {
+          pt.density = dens;
+          points.push_back({pt, "grid"});
+        }
+      }
+    }
+  }
+  if (opt.targets) {
+    bench_point t;
+    t.B = 1, t.Hq = t.Hk = 8, t.Lq = t.Lk = 4096, t.D = t.Dv = 128;
+    for (const char* m : {"dense", "causal"}) {
+      t.mask = m;
+      points.push_back({t, "target"});
+    }
+    t.mask = "block_sparse";
+    for (double dens : {0.2, 0.05}) {
+      t.density = dens;
+      points.push_back({t, "target"});
+    }
+    bench_point dec;
+    dec.mask = "decode";
+    dec.B = 1, dec.Hq = dec.Hk = 8, dec.Lq = 1, dec.Lk = 65536, dec.D = dec.Dv = 128;
+    points.push_back({dec, "target"});
+  }
+
+  std::map<std::string, double> dense_time;  // shape key -> cpu dense time
+  auto shape_key = [](const bench_point& p) {
+    return std::to_string(p.B) + "/" + std::to_string(p.Hq) + "/" + std::to_string(p.Lq) + "/" +
+           std::to_string(p.Lk) + "/" + std::to_string(p.D);
+  };
+  bool ok = true;
+  naive_blas naive;
+  for (const auto& [pt0, tag] : points) {
+    bench_point pt = pt0;
+    bench_data d;
+    make_data(d, pt, opt.seed);
+    if (pt.mask == "block_sparse") pt.density = d.density;
+    double cpu_time = 0;
+    for (const std::string& b : opt.backends) {
+      if (b == "reference" && d.flops > 2e9) continue;  // far too slow: see the reference baseline
+      bench_record r;
+      r.point = pt;
+      r.backend = b;
+      r.flops = d.flops;
+      r.note = tag;
+      if (b == "cpu") {
+        const cpu::plan pl = cpu::make_plan(d.p, copt);
+        r.threads = pl.threads;
+        r.isa = cpu::to_string(pl.used);
+        r.median_s = median_time([&] { cpu::attention(d.p, copt); }, opt.seconds);
+        cpu_time = r.median_s;
+        if (pl.kv_splits > 1) r.note += ", " + std::to_string(pl.kv_splits) + " kv chunks";
+      } else {
+        r.threads = 1;
+        r.median_s = median_time([&] { reference::tiled_attention(d.p); }, opt.seconds);
+      }
+      r.gflops = r.flops / r.median_s * 1e-9;
+      if (peak > 0 && b == "cpu") r.peak_fraction = r.gflops / peak;
+      for (float x : d.o)
+        ok = ok && !std::isnan(x);
+      if (pt.mask == "decode") {
+        r.gbps = double(pt.B * pt.Hk * pt.Lk * (pt.D + pt.Dv)) * 4.0 / r.median_s * 1e-9;
+        r.note += ", " + std::to_string(r.gbps).substr(0, 5) + " GB/s of K,V";
+      }
+      if (b == "cpu" && pt.mask == "dense") dense_time[shape_key(pt)] = r.median_s;
+      if (b == "cpu" && pt.mask != "dense" && dense_time.count(shape_key(pt)))
+        r.vs_dense = r.median_s / dense_time[shape_key(pt)];
+      recs.push_back(r);
+      if (!(opt.baselines && b == "cpu" && (pt.mask == "dense" || pt.mask == "causal"))) {
+        print_record(recs.back());
+      }
+    }
+    // The naive OpenBLAS attention on the same dense and causal points.
+    if (opt.baselines && (pt.mask == "dense" || pt.mask == "causal") && cpu_time > 0) {
+      bench_record n;
+      n.point = pt;
+      n.backend = "openblas_naive";
+      n.threads = threads;
+      n.flops = d.flops;
+      n.note = tag;
+      n.median_s = median_time([&] { naive.run(d); }, opt.seconds);
+      n.gflops = n.flops / n.median_s * 1e-9;
+      n.peak_fraction = peak > 0 ? n.gflops / peak : 0;
+      for (auto it = recs.rbegin(); it != recs.rend(); ++it) {
+        if (it->backend == "cpu") {
+          it->vs_naive = n.median_s / it->median_s;
+          print_record(*it);
+          break;
+        }
+      }
+      print_record(n);
+      recs.push_back(n);
+    }
+  }
+
+  // The scalar tiled reference (float64) on a small point, with the cpu backend beside it.
+  if (opt.baselines) {
+    bench_point pt;
+    pt.B = 1, pt.Hq = pt.Hk = 2, pt.Lq = pt.Lk = 1024, pt.D = pt.Dv = 64;
+    pt.mask = "dense";
+    bench_data d;
+    make_data(d, pt, opt.seed);
+    bench_record ref, ours;
+    ref.point = ours.point = pt;
+    ref.flops = ours.flops = d.flops;
+    ref.backend = "reference";
+    ref.threads = 1;
+    ref.note = "small point: the scalar reference is too slow for the grid";
+    ref.median_s = median_time([&] { reference::tiled_attention(d.p); }, opt.seconds);
+    ref.gflops = ref.flops / ref.median_s * 1e-9;
+    ours.backend = "cpu";
+    ours.threads = cpu::make_plan(d.p, copt).threads;
+    ours.isa = cpu::to_string(used);
+    ours.note = "small point";
+    ours.median_s = median_time([&] { cpu::attention(d.p, copt); }, opt.seconds);
+    ours.gflops = ours.flops / ours.median_s * 1e-9;
+    ours.peak_fraction = peak > 0 ? ours.gflops / peak : 0;
+    ours.vs_reference = ref.median_s / ours.median_s;
+    print_record(ref);
+    print_record(ours);
+    recs.push_back(ref);
+    recs.push_back(ours);
+  }
+
+  if (!opt.json.empty()) {
+    nlohmann::json j = nlohmann::json::array();
+    for (const bench_record& r : recs)
+      j.push_back(to_json(r));
+    write_atomically(opt.json, j.dump(1) + "\n");
+  }
+  if (!opt.plot.empty()) write_atomically(opt.plot, plot_svg(recs, peak));
+  if (!ok) std::fprintf(stderr, "flashref bench: NaN in an output\n");
+  return ok ? 0 : 1;
+}
+
+}  // namespace
+
+void add_bench(CLI::App& app, exit_slot status) {
+  auto opt = std::make_shared<bench_options>();
+  CLI::App* cmd = app.add_subcommand(
+      "bench",
+      "CPU benchmark grid (SPEC §8) with peak-FMA, OpenBLAS-naive and reference baselines");
+  cmd->add_option("--backend", opt->backends, "backends to time: cpu, reference")->delimiter(',');
+  cmd->add_option("--lengths", opt->lengths, "sequence lengths L (B = tokens / L)")->delimiter(',');
+  cmd->add_option("--head-dims", opt->head_dims, "head dims D (Hq = model / D)")->delimiter(',');
+  cmd->add_option("--masks", opt->masks, "dense, causal, block_sparse, local_window")
+      ->delimiter(',');
+  cmd->add_option("--densities", opt->densities, "block-sparse densities (128x128 blocks)")
+      ->delimiter(',');
+  cmd->add_option("--tokens", opt->tokens, "B * L on the grid");
+  cmd->add_option("--model", opt->model, "Hq * D on the grid");
+  cmd->add_option("--seconds", opt->seconds, "timed seconds per point (at least 3 runs)");
+  cmd->add_option("--isa", opt->isa, "CPU instruction set: automatic, portable, avx2, avx512");
+  cmd->add_option("--seed", opt->seed, "seed of the inputs and block masks");
+  cmd->add_option("--json", opt->json, "write the records as JSON to this file");
+  cmd->add_option("--plot", opt->plot, "write GFLOP/s vs sequence length as SVG to this file");
+  cmd->add_flag("!--no-targets", opt->targets, "skip the target points");
+  cmd->add_flag("!--no-baselines", opt->baselines, "skip peak FMA, copy, OpenBLAS and reference");
+  cmd->add_flag("--memory-check", opt->memory_check,
+                "only report peak resident memory for causal L = 8192 ... 32768");
+  cmd->callback([opt, status]() { *status = run_bench(*opt); });
+}
+
+}  // namespace flashref::cli
