@@ -15,5 +15,8 @@ using exit_slot = std::shared_ptr<int>;
 
 void add_demo(CLI::App& app, exit_slot status);
 void add_bench(CLI::App& app, exit_slot status);  // the CPU grid (bench.cpp)
+void add_run(CLI::App& app, exit_slot status);
+void add_check(CLI::App& app, exit_slot status);
+void add_fixtures(CLI::App& app, exit_slot status);
 
 }  // namespace flashref::cli

@@ -14,6 +14,9 @@ int main(int argc, char** argv) {
 #if defined(FLASHREF_HAVE_CPU_BENCH)
   flashref::cli::add_bench(app, status);
 #endif
+  flashref::cli::add_run(app, status);
+  flashref::cli::add_check(app, status);
+  flashref::cli::add_fixtures(app, status);
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

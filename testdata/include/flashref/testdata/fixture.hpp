@@ -1,0 +1,102 @@
+#pragma once
+// The fixture format of SPEC §6 and the problem and result files of SPEC §7, over the HDF5
+// layer. docs/fixtures.md describes the layout for readers in any language.
+//
+//   problem file   /inputs/q, k, v (+ block_mask, kv_len) and optional root attributes
+//   fixture        a problem file with every attribute, /golden/o, /golden/lse, and /trace
+//                  for the spec cases
+//   result file    /o (B, Hq, Lq, Dv) and /lse (B, Hq, Lq), written by `flashref run` or by
+//                  any other kernel; any HDF5 float type
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include <xtensor/xtensor.hpp>
+
+#include "flashref/flashref.hpp"
+#include "flashref/reference/conformance.hpp"
+#include "flashref/reference/naive.hpp"
+#include "flashref/testdata/hdf5.hpp"
+
+namespace flashref::testdata {
+
+// The layout version written into every fixture; readers refuse a newer one.
+inline constexpr std::int64_t kFormatVersion = 1;
+// The spec function's tile in the /trace of the spec cases.
+inline constexpr std::int64_t kSpecTile = 4;
+
+// x rounded to the nearest value of `dtype` (ties to even), returned as float32. float32 is
+// the identity. Integer arithmetic only, so the result is the same everywhere.
+float round_to(input_dtype dtype, float x);
+
+// The inputs of a problem: tensors and options, owning their storage.
+struct problem_inputs {
+  xt::xtensor<float, 4> q;  // (B, Hq, Lq, D)
+  xt::xtensor<float, 4> k;  // (B, Hk, Lk, D)
+  xt::xtensor<float, 4> v;  // (B, Hk, Lk, Dv)
+  attention_options opt;    // scale, masks, kv_len, input dtype
+
+  // The problem over this storage, with o and lse allocated as its outputs. Validated.
+  attention_problem problem(xt::xtensor<float, 4>& o, xt::xtensor<float, 3>& lse) const;
+};
+
+// Reads a problem file (SPEC §7): /inputs/q, k, v of any float type; /inputs/block_mask
+// (uint8, any integer type or h5py's bool) when block_q > 0; /inputs/kv_len (any integer
+// type) when present. Every root attribute is optional: scale = 1/sqrt(D), causal = none,
+// window_left = window_right = -1, block_q = block_k = 0, input_dtype = float32. Other groups
+// (/golden, /trace, ...) are ignored. The problem is validated; a bfloat16/float16 input_dtype
+// requires every input value to be representable in it. Throws problem_error naming the file.
+problem_inputs read_problem(const h5::file& f);
+problem_inputs read_problem(const std::filesystem::path& path);
+
+// What the spec function did, tile by tile, on the single row of a spec case.
+struct spec_trace {
+  std::int64_t tile = kSpecTile;
+  xt::xtensor<double, 1> m;        // (tiles) running max after the tile (-inf: nothing visible yet)
+  xt::xtensor<double, 1> s;        // (tiles) running sum after the tile
+  xt::xtensor<double, 1> exp_old;  // (tiles) exp(m_old - m_new) applied to s and out
+};
+
+struct fixture {
+  std::string name;         // the case; the file is <name>.h5
+  std::string description;  // what it pins, one line
+  std::string generator;    // tool and version that wrote it
+  std::uint64_t seed = 0;
+  problem_inputs in;
+  tolerance tol;                    // atol (already scaled by max|V|), rtol, atol_lse
+  reference::golden golden;         // float64 o (B, Hq, Lq, Dv) and lse (B, Hq, Lq)
+  std::optional<spec_trace> trace;  // spec cases only
+};
+
+// Reads a fixture: a problem file plus every fixture attribute and /golden (and /trace when
+// present), shapes checked against the inputs.
+fixture read_fixture(const std::filesystem::path& path);
+// Writes a fixture atomically (temporary file in the same folder, then rename).
+void write_fixture(const std::filesystem::path& path, const fixture& fx);
+
+// The spec function's inputs for row (b, h, i) of a problem: the query, the keys and values of
+// the key/value head that query head h reads, and the row's visibility as a per-key mask.
+struct spec_row {
+  xt::xtensor<double, 1> q;               // (D)
+  xt::xtensor<double, 2> K;               // (Lk, D)
+  xt::xtensor<double, 2> V;               // (Lk, Dv)
+  xt::xtensor<std::uint8_t, 1> key_mask;  // (Lk) non-zero = visible
+  double scale = 1.0;
+};
+spec_row spec_row_of(const attention_problem& p, std::int64_t b, std::int64_t h, std::int64_t i);
+
+// A result file: O and LSE of some kernel on a problem.
+struct result {
+  xt::xtensor<double, 4> o;    // (B, Hq, Lq, Dv)
+  xt::xtensor<double, 3> lse;  // (B, Hq, Lq)
+};
+
+// Reads /o and /lse of any HDF5 float type; their shapes must be those of the golden result.
+result read_result(const std::filesystem::path& path, const reference::golden& golden);
+// Writes /o and /lse as float32 atomically; `backend` is recorded as a root attribute.
+void write_result(const std::filesystem::path& path, const xt::xtensor<float, 4>& o,
+                  const xt::xtensor<float, 3>& lse, const std::string& backend);
+
+}  // namespace flashref::testdata

@@ -1,0 +1,242 @@
+#include "flashref/testdata/fixture.hpp"
+
+#include <bit>
+#include <cmath>
+#include <cstdio>
+
+#include <xtensor/xadapt.hpp>
+
+#include "flashref/reference/mask.hpp"
+
+namespace flashref::testdata {
+
+namespace {
+
+constexpr const char* kRoot = "/";
+
+std::string opt_string(const h5::file& f, const char* name, const char* fallback) {
+  return h5::has_attr(f, kRoot, name) ? h5::read_string_attr(f, kRoot, name) : fallback;
+}
+
+std::int64_t opt_int(const h5::file& f, const char* name, std::int64_t fallback) {
+  return h5::has_attr(f, kRoot, name) ? h5::read_int_attr(f, kRoot, name) : fallback;
+}
+
+// A bfloat16/float16 problem promises inputs exactly representable in that dtype (SPEC §6):
+// a backend may convert them without loss.
+void check_representable(const h5::file& f, const char* path, const xt::xtensor<float, 4>& x,
+                         input_dtype dtype) {
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const float v = x.data()[i];
+    if (!std::isnan(v) && round_to(dtype, v) != v) {
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%.9g", double(v));
+      f.fail(path, std::string("values representable in ") + to_string(dtype) + " (input_dtype)",
+             std::string(buf) + " at flat index " + std::to_string(i));
+    }
+  }
+}
+
+problem_inputs read_problem_impl(const h5::file& f) {
+  problem_inputs in;
+  in.q = h5::load<float, 4>(f, "/inputs/q");
+  in.k = h5::load<float, 4>(f, "/inputs/k");
+  in.v = h5::load<float, 4>(f, "/inputs/v");
+  attention_options& opt = in.opt;
+  if (h5::has_attr(f, kRoot, "scale")) opt.scale = h5::read_float_attr(f, kRoot, "scale");
+  opt.causal = parse_causal(opt_string(f, "causal", "none"));
+  opt.window_left = opt_int(f, "window_left", -1);
+  opt.window_right = opt_int(f, "window_right", -1);
+  opt.dtype = parse_input_dtype(opt_string(f, "input_dtype", "float32"));
+  const std::int64_t block_q = opt_int(f, "block_q", 0), block_k = opt_int(f, "block_k", 0);
+  const bool has_mask = f.has("/inputs/block_mask");
+  if (block_q != 0 || block_k != 0 || has_mask) {
+    const std::string blocks =
+        "block_q = " + std::to_string(block_q) + ", block_k = " + std::to_string(block_k);
+    if (!has_mask) f.fail("/inputs/block_mask", "a dataset (" + blocks + ")", "nothing");
+    if (block_q <= 0 || block_k <= 0) {  // a mask needs its block sizes
+      f.fail("/ attributes block_q, block_k", "positive block sizes for /inputs/block_mask",
+             blocks);
+    }
+    opt.block_mask = h5::load<std::uint8_t, 4>(f, "/inputs/block_mask");
+    opt.block_q = block_q;
+    opt.block_k = block_k;
+  }
+  if (f.has("/inputs/kv_len")) {
+    const auto kv = h5::load<std::int32_t, 1>(f, "/inputs/kv_len");
+    opt.kv_len.assign(kv.begin(), kv.end());
+  }
+  xt::xtensor<float, 4> o;
+  xt::xtensor<float, 3> lse;
+  in.problem(o, lse);  // validates shapes, masks and kv_len
+  if (opt.dtype != input_dtype::float32) {
+    check_representable(f, "/inputs/q", in.q, opt.dtype);
+    check_representable(f, "/inputs/k", in.k, opt.dtype);
+    check_representable(f, "/inputs/v", in.v, opt.dtype);
+  }
+  return in;
+}
+
+std::array<std::size_t, 4> o_shape(const problem_inputs& in) {
+  return {in.q.shape(0), in.q.shape(1), in.q.shape(2), in.v.shape(3)};
+}
+
+std::array<std::size_t, 3> lse_shape(const problem_inputs& in) {
+  return {in.q.shape(0), in.q.shape(1), in.q.shape(2)};
+}
+
+}  // namespace
+
+float round_to(input_dtype dtype, float x) {
+  if (dtype == input_dtype::float32 || !std::isfinite(x)) return x;
+  std::uint32_t b = std::bit_cast<std::uint32_t>(x);
+  if (dtype == input_dtype::bfloat16) {  // keep the top 16 bits, round to nearest even
+    b += 0x7fffu + ((b >> 16) & 1u);
+    return std::bit_cast<float>(b & 0xffff0000u);
+  }
+  // float16: 10 fraction bits down to 2^-14, then a fixed quantum of 2^-24 (subnormals).
+  if (std::fabs(x) < 0x1p-14f) return std::nearbyint(x * 0x1p24f) * 0x1p-24f;
+  b += 0xfffu + ((b >> 13) & 1u);
+  const float r = std::bit_cast<float>(b & ~0x1fffu);
+  return std::fabs(r) > 65504.0f ? std::copysign(INFINITY, x) : r;
+}
+
+attention_problem problem_inputs::problem(xt::xtensor<float, 4>& o,
+                                          xt::xtensor<float, 3>& lse) const {
+  attention_problem p = make_problem(q, k, v, opt, o, lse);
+  validate(p);
+  return p;
+}
+
+problem_inputs read_problem(const h5::file& f) {
+  try {
+    return read_problem_impl(f);
+  } catch (const problem_error& e) {
+    const std::string msg = e.what();
+    if (msg.rfind(f.name() + ":", 0) == 0) throw;
+    throw problem_error(f.name() + ": " + msg);  // a validation message: name the file too
+  }
+}
+
+problem_inputs read_problem(const std::filesystem::path& path) {
+  return read_problem(h5::file::open(path));
+}
+
+fixture read_fixture(const std::filesystem::path& path) {
+  const h5::file f = h5::file::open(path);
+  fixture fx;
+  fx.in = read_problem(f);
+  const std::int64_t version = h5::read_int_attr(f, kRoot, "format_version");
+  if (version < 1 || version > kFormatVersion) {
+    f.fail("/ attribute 'format_version'", "1.." + std::to_string(kFormatVersion),
+           std::to_string(version));
+  }
+  fx.name = h5::read_string_attr(f, kRoot, "case");
+  fx.description = h5::read_string_attr(f, kRoot, "description");
+  fx.generator = h5::read_string_attr(f, kRoot, "generator");
+  fx.seed = h5::read_uint_attr(f, kRoot, "seed");
+  fx.tol.atol = h5::read_float_attr(f, kRoot, "atol");
+  fx.tol.rtol = h5::read_float_attr(f, kRoot, "rtol");
+  fx.tol.atol_lse = h5::read_float_attr(f, kRoot, "atol_lse");
+  const auto os = o_shape(fx.in);
+  const auto o = h5::load<double, 4>(f, "/golden/o", os);
+  const auto lse = h5::load<double, 3>(f, "/golden/lse", lse_shape(fx.in));
+  for (std::size_t d = 0; d < 4; ++d)
+    fx.golden.o_shape[d] = std::int64_t(os[d]);
+  fx.golden.o.assign(o.begin(), o.end());
+  fx.golden.lse.assign(lse.begin(), lse.end());
+  if (f.has("/trace")) {
+    spec_trace t;
+    t.tile = h5::read_int_attr(f, "/trace", "tile");
+    t.m = h5::load<double, 1>(f, "/trace/m");
+    t.s = h5::load<double, 1>(f, "/trace/s", {t.m.size()});
+    t.exp_old = h5::load<double, 1>(f, "/trace/exp_old", {t.m.size()});
+    fx.trace = std::move(t);
+  }
+  return fx;
+}
+
+void write_fixture(const std::filesystem::path& path, const fixture& fx) {
+  xt::xtensor<float, 4> o;
+  xt::xtensor<float, 3> lse;
+  const attention_problem p = fx.in.problem(o, lse);
+  const attention_options& opt = fx.in.opt;
+  h5::write_atomically(path, [&](h5::file& f) {
+    h5::write_attr(f, kRoot, "format_version", kFormatVersion);
+    h5::write_attr(f, kRoot, "case", fx.name);
+    h5::write_attr(f, kRoot, "description", fx.description);
+    h5::write_attr(f, kRoot, "seed", fx.seed);
+    h5::write_attr(f, kRoot, "generator", fx.generator);
+    h5::write_attr(f, kRoot, "scale", p.softmax_scale());
+    h5::write_attr(f, kRoot, "causal", to_string(opt.causal));
+    h5::write_attr(f, kRoot, "window_left", opt.window_left);
+    h5::write_attr(f, kRoot, "window_right", opt.window_right);
+    h5::write_attr(f, kRoot, "block_q", opt.block_q);
+    h5::write_attr(f, kRoot, "block_k", opt.block_k);
+    h5::write_attr(f, kRoot, "input_dtype", to_string(opt.dtype));
+    h5::write_attr(f, kRoot, "atol", fx.tol.atol);
+    h5::write_attr(f, kRoot, "rtol", fx.tol.rtol);
+    h5::write_attr(f, kRoot, "atol_lse", fx.tol.atol_lse);
+    h5::dump(f, "/inputs/q", fx.in.q);
+    h5::dump(f, "/inputs/k", fx.in.k);
+    h5::dump(f, "/inputs/v", fx.in.v);
+    if (p.has_block_mask()) h5::dump(f, "/inputs/block_mask", opt.block_mask);
+    if (!opt.kv_len.empty()) {
+      h5::dump(f, "/inputs/kv_len",
+               xt::xtensor<std::int32_t, 1>(xt::adapt(opt.kv_len, {opt.kv_len.size()})));
+    }
+    const auto os = o_shape(fx.in);
+    h5::dump(f, "/golden/o", xt::xtensor<double, 4>(xt::adapt(fx.golden.o, os)));
+    h5::dump(f, "/golden/lse", xt::xtensor<double, 3>(xt::adapt(fx.golden.lse, lse_shape(fx.in))));
+    if (fx.trace) {
+      h5::dump(f, "/trace/m", fx.trace->m);
+      h5::dump(f, "/trace/s", fx.trace->s);
+      h5::dump(f, "/trace/exp_old", fx.trace->exp_old);
+      h5::write_attr(f, "/trace", "tile", fx.trace->tile);
+    }
+  });
+}
+
+spec_row spec_row_of(const attention_problem& p, std::int64_t b, std::int64_t h, std::int64_t i) {
+  const mask_spec mask = make_mask_spec(p);
+  const std::int64_t hk = h / p.group_size();
+  const std::size_t Lk = std::size_t(p.len_k()), D = std::size_t(p.head_dim()),
+                    Dv = std::size_t(p.head_dim_v());
+  spec_row r;
+  r.q = xt::xtensor<double, 1>::from_shape({D});
+  r.K = xt::xtensor<double, 2>::from_shape({Lk, D});
+  r.V = xt::xtensor<double, 2>::from_shape({Lk, Dv});
+  r.key_mask = xt::xtensor<std::uint8_t, 1>::from_shape({Lk});
+  for (std::size_t d = 0; d < D; ++d)
+    r.q(d) = p.q(b, h, i, d);
+  for (std::size_t j = 0; j < Lk; ++j) {
+    for (std::size_t d = 0; d < D; ++d)
+      r.K(j, d) = p.k(b, hk, j, d);
+    for (std::size_t d = 0; d < Dv; ++d)
+      r.V(j, d) = p.v(b, hk, j, d);
+    r.key_mask(j) = mask.visible(b, h, i, std::int64_t(j));
+  }
+  r.scale = p.softmax_scale();
+  return r;
+}
+
+result read_result(const std::filesystem::path& path, const reference::golden& golden) {
+  const h5::file f = h5::file::open(path);
+  const auto& s = golden.o_shape;
+  result r;
+  r.o = h5::load<double, 4>(
+      f, "/o", {std::size_t(s[0]), std::size_t(s[1]), std::size_t(s[2]), std::size_t(s[3])});
+  r.lse = h5::load<double, 3>(f, "/lse", {std::size_t(s[0]), std::size_t(s[1]), std::size_t(s[2])});
+  return r;
+}
+
+void write_result(const std::filesystem::path& path, const xt::xtensor<float, 4>& o,
+                  const xt::xtensor<float, 3>& lse, const std::string& backend) {
+  h5::write_atomically(path, [&](h5::file& f) {
+    h5::dump(f, "/o", o);
+    h5::dump(f, "/lse", lse);
+    h5::write_attr(f, kRoot, "backend", backend);
+  });
+}
+
+}  // namespace flashref::testdata

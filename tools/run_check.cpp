@@ -1,0 +1,221 @@
+// flashref run — O and LSE of a problem file; flashref check — conformance of a result (ours
+// or any other kernel's) against the golden fixtures, with each fixture's own tolerances.
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "commands.hpp"
+#include "flashref/flashref.hpp"
+#include "flashref/reference/conformance.hpp"
+#include "flashref/testdata/fixture.hpp"
+
+namespace flashref::cli {
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct run_options {
+  std::string problem;
+  std::string out;
+  std::string backend = "automatic";
+};
+
+int run_problem(const run_options& opt) {
+  const backend chosen = resolve(parse_backend(opt.backend));  // bad backend: before any I/O
+  const testdata::problem_inputs in = testdata::read_problem(opt.problem);
+  xt::xtensor<float, 4> o;
+  xt::xtensor<float, 3> lse;
+  const attention_problem p = in.problem(o, lse);
+  const backend used = attention(p, chosen);
+  testdata::write_result(opt.out, o, lse, to_string(used));
+  std::printf("%s: wrote /o [%zu, %zu, %zu, %zu] and /lse [%zu, %zu, %zu] (float32, backend %s)\n",
+              opt.out.c_str(), o.shape(0), o.shape(1), o.shape(2), o.shape(3), lse.shape(0),
+              lse.shape(1), lse.shape(2), to_string(used));
+  return 0;
+}
+
+struct check_options {
+  std::string target;                 // a fixture or a folder of fixtures
+  std::string candidate;              // a result file, or a folder of <case>.h5 results
+  std::vector<std::string> backends;  // empty (and no candidate): every available backend
+};
+
+enum class verdict { pass, fail, error };
+
+struct check_row {
+  std::string fixture;  // file name without .h5
+  std::string judged;   // backend name or candidate file name
+  std::string dtype;
+  conformance_report rep;
+  verdict v = verdict::error;
+  std::string message;  // why FAIL or ERROR
+};
+
+std::string why_failed(const conformance_report& r) {
+  std::string s;
+  auto add = [&](std::int64_t n, const char* what) {
+    if (n == 0) return;
+    if (!s.empty()) s += ", ";
+    s += std::to_string(n) + " " + what;
+  };
+  add(r.nan_rows, "NaN/inf rows");
+  add(r.empty_rows_bad, "empty rows not (0, -inf)");
+  add(r.bad_elements, "values outside tolerance");
+  return s;
+}
+
+template <class T>
+void judge(check_row& row, const testdata::fixture& fx, const T* o, const T* lse) {
+  row.rep = compare(fx.golden, o, lse, fx.tol);
+  row.v = row.rep.pass() ? verdict::pass : verdict::fail;
+  if (row.v == verdict::fail) row.message = why_failed(row.rep);
+}
+
+std::vector<fs::path> fixtures_in(const fs::path& target) {
+  if (!fs::is_directory(target)) {
+    if (!fs::exists(target)) {
+      throw problem_error(target.string() +
+                          ": expected a fixture file or folder, got no such path");
+    }
+    return {target};
+  }
+  std::vector<fs::path> files;
+  for (const auto& e : fs::directory_iterator(target))
+    if (e.is_regular_file() && e.path().extension() == ".h5") files.push_back(e.path());
+  std::sort(files.begin(), files.end());
+  if (files.empty()) throw problem_error(target.string() + ": expected *.h5 fixtures, got none");
+  return files;
+}
+
+void print_table(const std::vector<check_row>& rows) {
+  std::printf("%-26s %-12s %-8s %10s %10s %10s %8s %9s  %s\n", "case", "judged", "dtype",
+              "max|err|", "max rel", "max lse", "NaN rows", "empty ok", "verdict");
+  for (const check_row& r : rows) {
+    if (r.v == verdict::error) {
+      std::printf("%-26s %-12s %-8s %10s %10s %10s %8s %9s  ERROR\n", r.fixture.c_str(),
+                  r.judged.c_str(), r.dtype.c_str(), "-", "-", "-", "-", "-");
+      continue;
+    }
+    const std::string empty = std::to_string(r.rep.empty_rows - r.rep.empty_rows_bad) + "/" +
+                              std::to_string(r.rep.empty_rows);
+    std::printf("%-26s %-12s %-8s %10.3e %10.3e %10.3e %8lld %9s  %s%s%s\n", r.fixture.c_str(),
+                r.judged.c_str(), r.dtype.c_str(), r.rep.max_abs_err, r.rep.max_rel_err,
+                r.rep.max_lse_err, (long long)r.rep.nan_rows, empty.c_str(),
+                r.v == verdict::pass ? "PASS" : "FAIL", r.message.empty() ? "" : ": ",
+                r.message.c_str());
+  }
+}
+
+int run_check(const check_options& opt) {
+  if (!opt.candidate.empty() && !opt.backends.empty())  // one thing is judged at a time
+    throw problem_error("--candidate/--backend: expected one of them, got both");
+  const std::vector<fs::path> files = fixtures_in(opt.target);
+  const bool single = !fs::is_directory(opt.target);
+  const bool candidate_dir = !opt.candidate.empty() && fs::is_directory(opt.candidate);
+  if (!opt.candidate.empty() && !single && !candidate_dir) {
+    throw problem_error(
+        "--candidate: expected a folder of <case>.h5 results when checking a "
+        "folder of fixtures, got the file " +
+        opt.candidate);
+  }
+  std::vector<backend> chosen;
+  if (opt.candidate.empty()) {
+    if (opt.backends.empty()) {
+      for (const backend_info& info : backends())
+        if (info.available) chosen.push_back(info.id);
+    } else {
+      for (const std::string& s : opt.backends)
+        chosen.push_back(resolve(parse_backend(s)));
+    }
+  }
+
+  std::vector<check_row> rows;
+  std::vector<std::string> errors;
+  for (const fs::path& file : files) {
+    const std::string name = file.filename().string(), stem = file.stem().string();
+    testdata::fixture fx;
+    try {
+      fx = testdata::read_fixture(file);
+    } catch (const problem_error& e) {
+      if (single) throw;  // nothing to tabulate: one line, exit 2
+      rows.push_back({stem, "-", "-", {}, verdict::error, e.what()});
+      errors.push_back(e.what());
+      continue;
+    }
+    const std::string dtype = to_string(fx.in.opt.dtype);
+    if (!opt.candidate.empty()) {
+      const fs::path cand =
+          candidate_dir ? fs::path(opt.candidate) / name : fs::path(opt.candidate);
+      check_row row{stem, "candidate", dtype, {}, verdict::error, ""};
+      try {
+        const testdata::result r = testdata::read_result(cand, fx.golden);
+        judge(row, fx, r.o.data(), r.lse.data());
+      } catch (const problem_error& e) {
+        row.message = e.what();
+        errors.push_back(e.what());
+      }
+      rows.push_back(row);
+      continue;
+    }
+    for (const backend be : chosen) {
+      check_row row{stem, to_string(be), dtype, {}, verdict::error, ""};
+      try {
+        xt::xtensor<float, 4> o;
+        xt::xtensor<float, 3> lse;
+        const attention_problem p = fx.in.problem(o, lse);
+        attention(p, be);
+        judge(row, fx, o.data(), lse.data());
+      } catch (const problem_error& e) {  // e.g. a head dim this backend does not support
+        row.message = std::string(to_string(be)) + " on " + name + ": " + e.what();
+        errors.push_back(row.message);
+      }
+      rows.push_back(row);
+    }
+  }
+
+  if (!opt.candidate.empty()) std::printf("candidate: %s\n", opt.candidate.c_str());
+  print_table(rows);
+  const auto count = [&](verdict v) {
+    return std::count_if(rows.begin(), rows.end(), [v](const check_row& r) { return r.v == v; });
+  };
+  const auto n_fail = count(verdict::fail), n_error = count(verdict::error);
+  std::printf("\n%zu checks: %lld pass, %lld fail, %lld could not be run\n", rows.size(),
+              (long long)count(verdict::pass), (long long)n_fail, (long long)n_error);
+  for (const std::string& e : errors)
+    std::fprintf(stderr, "flashref: %s\n", e.c_str());
+  if (n_fail > 0) return 1;
+  return n_error > 0 ? 2 : 0;
+}
+
+}  // namespace
+
+void add_run(CLI::App& app, exit_slot status) {
+  auto opt = std::make_shared<run_options>();
+  CLI::App* cmd = app.add_subcommand(
+      "run", "Compute /o and /lse (float32) of a problem file and write them atomically");
+  cmd->add_option("--problem", opt->problem, "Problem file (the fixture layout, /golden optional)")
+      ->required();
+  cmd->add_option("--out", opt->out, "Result file to write")->required();
+  cmd->add_option("--backend", opt->backend, "reference, cpu, cuda or automatic")
+      ->capture_default_str();
+  cmd->callback([opt, status] { *status = run_problem(*opt); });
+}
+
+void add_check(CLI::App& app, exit_slot status) {
+  auto opt = std::make_shared<check_options>();
+  CLI::App* cmd = app.add_subcommand(
+      "check", "Judge a result file or our backends against golden fixtures (exit 1 on a failure)");
+  cmd->add_option("fixtures", opt->target, "A fixture file or a folder of fixtures")->required();
+  cmd->add_option("--candidate", opt->candidate,
+                  "Result file (/o, /lse) to judge, or a folder of <case>.h5 results");
+  cmd->add_option("--backend", opt->backends,
+                  "Backends to judge (reference, cpu, cuda, automatic); default: every available "
+                  "one");
+  cmd->callback([opt, status] { *status = run_check(*opt); });
+}
+
+}  // namespace flashref::cli
