@@ -48,7 +48,7 @@ enum class verdict { pass, fail, error };
 
 struct check_row {
   std::string fixture;  // file name without .h5
-  std::string judged;   // backend name or candidate file name
+  std::string judged;   // the backend, or "candidate"
   std::string dtype;
   conformance_report rep;
   verdict v = verdict::error;
