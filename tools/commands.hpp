@@ -18,5 +18,7 @@ void add_bench(CLI::App& app, exit_slot status);  // the CPU grid (bench.cpp)
 void add_run(CLI::App& app, exit_slot status);
 void add_check(CLI::App& app, exit_slot status);
 void add_fixtures(CLI::App& app, exit_slot status);
+void add_explain(CLI::App& app, exit_slot status);
+void add_bench_gpu(CLI::App& app, exit_slot status);  // with the CUDA backend (bench_cuda.cpp)
 
 }  // namespace flashref::cli

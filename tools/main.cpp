@@ -17,6 +17,10 @@ int main(int argc, char** argv) {
   flashref::cli::add_run(app, status);
   flashref::cli::add_check(app, status);
   flashref::cli::add_fixtures(app, status);
+  flashref::cli::add_explain(app, status);
+#if defined(FLASHREF_HAVE_CUDA)
+  flashref::cli::add_bench_gpu(app, status);
+#endif
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
