@@ -16,7 +16,6 @@
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <iomanip>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -30,6 +29,8 @@
 #include "flashref/flashref.hpp"
 #include "flashref/reference/mask.hpp"
 #include "flashref/testdata/random.hpp"
+#include "io.hpp"
+#include "svg.hpp"
 
 namespace flashref::cli {
 
@@ -286,20 +287,8 @@ nlohmann::json to_json(const bench_record& r) {
   return j;
 }
 
-// Writes text to path through a temporary file and a rename: never a half-written file.
-void write_atomically(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp";
-  {
-    std::ofstream f(tmp, std::ios::binary);
-    f << text;
-    if (!f.good()) throw problem_error("output: expected a writable file, got '" + path + "'");
-  }
-  std::error_code ec;
-  std::filesystem::rename(tmp, path, ec);
-  if (ec) throw problem_error("output: expected a writable file, got '" + path + "'");
-}
-
-// GFLOP/s against sequence length, one line per (mask, head dim), for the cpu backend.
+// GFLOP/s against sequence length, one line per (mask, head dim), for the cpu backend's grid
+// points; the measured peak as a dashed line.
 std::string plot_svg(const std::vector<bench_record>& recs, double peak) {
   std::map<std::string, std::vector<std::pair<double, double>>> lines;
   double xmin = 1e30, xmax = 0, ymax = peak;
@@ -313,61 +302,46 @@ std::string plot_svg(const std::vector<bench_record>& recs, double peak) {
   }
   if (lines.empty()) xmin = 512, xmax = 4096;
   if (xmax <= xmin) xmax = xmin * 2;
-  const double W = 760, H = 460, L = 70, R = 230, T = 40, Bm = 50;
+  const double width = 780, height = 460, left = 70, right = 250, top = 40, bottom = 50;
   auto X = [&](double x) {
-    return L + (std::log2(x) - std::log2(xmin)) / (std::log2(xmax) - std::log2(xmin)) * (W - L - R);
+    return left + (std::log2(x) - std::log2(xmin)) / (std::log2(xmax) - std::log2(xmin)) *
+                      (width - left - right);
   };
-  auto Y = [&](double y) { return H - Bm - y / (ymax * 1.05) * (H - T - Bm); };
-  std::ostringstream s;
-  s << "<svg xmlns='http://www.w3.org/2000/svg' width='" << W << "' height='" << H
-    << "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' "
-       "fill='white'/>\n";
-  s << "<text x='" << L
-    << "' y='22' font-size='15'>flashref cpu: GFLOP/s vs sequence length (fp32)</text>\n";
-  s << "<line x1='" << L << "' y1='" << H - Bm << "' x2='" << W - R << "' y2='" << H - Bm
-    << "' stroke='black'/>\n";
-  s << "<line x1='" << L << "' y1='" << T << "' x2='" << L << "' y2='" << H - Bm
-    << "' stroke='black'/>\n";
+  auto Y = [&](double y) { return height - bottom - y / (ymax * 1.05) * (height - top - bottom); };
+  svg g(width, height);
+  g.text(left, 22, "flashref cpu: GFLOP/s vs sequence length (fp32)", 15);
+  g.line(left, height - bottom, width - right, height - bottom, "black");
+  g.line(left, top, left, height - bottom, "black");
   for (double x = xmin; x <= xmax * 1.001; x *= 2)
-    s << "<text x='" << X(x) << "' y='" << H - Bm + 18 << "' text-anchor='middle'>" << x
-      << "</text>\n";
-  s << "<text x='" << (L + W - R) / 2 << "' y='" << H - 12
-    << "' text-anchor='middle'>sequence length L</text>\n";
+    g.text(X(x), height - bottom + 18, std::to_string(std::int64_t(x)), 12, "middle");
+  g.text((left + width - right) / 2, height - 12, "sequence length L", 12, "middle");
   for (int t = 0; t <= 5; ++t) {
     const double y = ymax * 1.05 * t / 5;
-    s << "<text x='" << L - 6 << "' y='" << Y(y) + 4 << "' text-anchor='end'>" << int(y)
-      << "</text>\n";
-    s << "<line x1='" << L << "' y1='" << Y(y) << "' x2='" << W - R << "' y2='" << Y(y)
-      << "' stroke='#ddd'/>\n";
+    g.text(left - 6, Y(y) + 4, std::to_string(std::int64_t(y)), 12, "end");
+    g.line(left, Y(y), width - right, Y(y), "#ddd");
   }
   if (peak > 0) {
-    s << "<line x1='" << L << "' y1='" << Y(peak) << "' x2='" << W - R << "' y2='" << Y(peak)
-      << "' stroke='#888' stroke-dasharray='6,4'/>\n<text x='" << W - R - 4 << "' y='"
-      << Y(peak) - 5 << "' text-anchor='end' fill='#555'>measured peak FMA</text>\n";
+    g.line(left, Y(peak), width - right, Y(peak), "#888", 1, "stroke-dasharray='6,4'");
+    g.text(width - right - 4, Y(peak) - 5, "measured peak FMA", 12, "end", "#555");
   }
   const char* colors[] = {"#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b",
                           "#e377c2", "#7f7f7f", "#bcbd22", "#17becf", "#393b79", "#637939"};
   int n = 0;
   for (auto& [key, pts] : lines) {
     std::sort(pts.begin(), pts.end());
-    const char* c = colors[n % 12];
-    const bool dashed = key.find("D=64") != std::string::npos;
-    s << "<polyline fill='none' stroke='" << c << "' stroke-width='2'"
-      << (dashed ? " stroke-dasharray='5,3'" : "") << " points='";
+    const std::string color = colors[n % 12];
+    std::ostringstream points;
     for (auto [x, y] : pts)
-      s << X(x) << ',' << Y(y) << ' ';
-    s << "'/>\n";
+      points << X(x) << ',' << Y(y) << ' ';
+    g.polyline(points.str(), color);
     for (auto [x, y] : pts)
-      s << "<circle cx='" << X(x) << "' cy='" << Y(y) << "' r='3' fill='" << c << "'/>\n";
-    const double ly = T + 10 + 18 * n;
-    s << "<line x1='" << W - R + 12 << "' y1='" << ly << "' x2='" << W - R + 40 << "' y2='" << ly
-      << "' stroke='" << c << "' stroke-width='2'" << (dashed ? " stroke-dasharray='5,3'" : "")
-      << "/>\n";
-    s << "<text x='" << W - R + 46 << "' y='" << ly + 4 << "'>" << key << "</text>\n";
+      g.circle(X(x), Y(y), 3, color);
+    const double ly = top + 10 + 18 * n;
+    g.line(width - right + 12, ly, width - right + 40, ly, color, 2);
+    g.text(width - right + 46, ly + 4, key);
     ++n;
   }
-  s << "</svg>\n";
-  return s.str();
+  return g.str();
 }
 
 long peak_rss_mib() {
@@ -419,6 +393,12 @@ int run_bench(const bench_options& opt) {
                           ", got " + std::to_string(D));
   if (opt.tokens < 1)
     throw problem_error("tokens: expected >= 1, got " + std::to_string(opt.tokens));
+  for (const std::string* out : {&opt.json, &opt.plot}) {  // fail before the grid, not after
+    const std::filesystem::path dir = std::filesystem::path(*out).parent_path();
+    if (!out->empty() && !dir.empty() && !std::filesystem::is_directory(dir))
+      throw problem_error(*out + ": expected a file in an existing folder, got no folder '" +
+                          dir.string() + "'");
+  }
   cpu::options copt;
   copt.instruction_set = cpu::parse_isa(opt.isa);
   if (copt.instruction_set != cpu::isa::automatic && !cpu::supported(copt.instruction_set))
@@ -602,9 +582,9 @@ int run_bench(const bench_options& opt) {
     nlohmann::json j = nlohmann::json::array();
     for (const bench_record& r : recs)
       j.push_back(to_json(r));
-    write_atomically(opt.json, j.dump(1) + "\n");
+    write_text_atomically(opt.json, j.dump(1) + "\n");
   }
-  if (!opt.plot.empty()) write_atomically(opt.plot, plot_svg(recs, peak));
+  if (!opt.plot.empty()) write_text_atomically(opt.plot, plot_svg(recs, peak));
   if (!ok) std::fprintf(stderr, "flashref bench: NaN in an output\n");
   return ok ? 0 : 1;
 }
