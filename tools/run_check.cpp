@@ -2,6 +2,7 @@
 // or any other kernel's) against the golden fixtures, with each fixture's own tolerances.
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <filesystem>
 #include <string>
@@ -11,6 +12,7 @@
 #include "flashref/flashref.hpp"
 #include "flashref/reference/conformance.hpp"
 #include "flashref/testdata/fixture.hpp"
+#include "io.hpp"
 
 namespace flashref::cli {
 
@@ -42,6 +44,7 @@ struct check_options {
   std::string target;                 // a fixture or a folder of fixtures
   std::string candidate;              // a result file, or a folder of <case>.h5 results
   std::vector<std::string> backends;  // empty (and no candidate): every available backend
+  std::string json;                   // also write the rows as JSON to this file
 };
 
 enum class verdict { pass, fail, error };
@@ -63,8 +66,21 @@ std::string why_failed(const conformance_report& r) {
     s += std::to_string(n) + " " + what;
   };
   add(r.nan_rows, "NaN/inf rows");
-  add(r.empty_rows_bad, "empty rows not (0, -inf)");
+  if (r.empty_rows_bad > 0) {
+    // How the empty rows fail: the choices other kernels make for rows that see no key.
+    std::string how;
+    auto detail = [&](std::int64_t n, const char* what) {
+      if (n > 0) how += (how.empty() ? "" : ", ") + std::to_string(n) + " " + what;
+    };
+    detail(r.empty_o_nonzero, "O != 0");
+    detail(r.empty_lse_posinf, "LSE +inf");
+    detail(r.empty_lse_zero, "LSE 0");
+    detail(r.empty_lse_nan, "LSE NaN");
+    detail(r.empty_lse_finite, "LSE finite");
+    add(r.empty_rows_bad, ("empty rows not (0, -inf) [" + how + "]").c_str());
+  }
   add(r.bad_elements, "values outside tolerance");
+  if (!r.lse_judged) s += std::string(s.empty() ? "" : "; ") + "no /lse: O judged alone";
   return s;
 }
 
@@ -72,7 +88,7 @@ template <class T>
 void judge(check_row& row, const testdata::fixture& fx, const T* o, const T* lse) {
   row.rep = compare(fx.golden, o, lse, fx.tol);
   row.v = row.rep.pass() ? verdict::pass : verdict::fail;
-  if (row.v == verdict::fail) row.message = why_failed(row.rep);
+  if (row.v == verdict::fail || !row.rep.lse_judged) row.message = why_failed(row.rep);
 }
 
 std::vector<fs::path> fixtures_in(const fs::path& target) {
@@ -108,6 +124,52 @@ void print_table(const std::vector<check_row>& rows) {
                 r.v == verdict::pass ? "PASS" : "FAIL", r.message.empty() ? "" : ": ",
                 r.message.c_str());
   }
+}
+
+std::string json_string(const std::string& s) {
+  std::string r = "\"";
+  for (char c : s) {
+    if (c == '"' || c == '\\') r += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) continue;
+    r += c;
+  }
+  return r + "\"";
+}
+
+std::string json_number(double x) {
+  if (!std::isfinite(x)) return "null";
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.6g", x);
+  return buf;
+}
+
+// One object per row, for scripts that tabulate many kernels (the conformance report).
+std::string rows_json(const std::vector<check_row>& rows) {
+  std::string out = "[\n";
+  for (std::size_t i = 0; i < rows.size(); ++i) {
+    const check_row& r = rows[i];
+    const conformance_report& c = r.rep;
+    const char* v = r.v == verdict::pass ? "pass" : r.v == verdict::fail ? "fail" : "error";
+    out += "  {\"case\": " + json_string(r.fixture) + ", \"judged\": " + json_string(r.judged) +
+           ", \"dtype\": " + json_string(r.dtype) + ", \"verdict\": \"" + v +
+           "\", \"message\": " + json_string(r.message) +
+           ", \"max_abs_err\": " + json_number(c.max_abs_err) +
+           ", \"max_rel_err\": " + json_number(c.max_rel_err) +
+           ", \"max_lse_err\": " + json_number(c.max_lse_err) +
+           ", \"lse_judged\": " + (c.lse_judged ? "true" : "false") +
+           ", \"rows\": " + std::to_string(c.rows) +
+           ", \"nan_rows\": " + std::to_string(c.nan_rows) +
+           ", \"bad_elements\": " + std::to_string(c.bad_elements) +
+           ", \"empty_rows\": " + std::to_string(c.empty_rows) +
+           ", \"empty_rows_bad\": " + std::to_string(c.empty_rows_bad) +
+           ", \"empty_o_nonzero\": " + std::to_string(c.empty_o_nonzero) +
+           ", \"empty_lse_posinf\": " + std::to_string(c.empty_lse_posinf) +
+           ", \"empty_lse_zero\": " + std::to_string(c.empty_lse_zero) +
+           ", \"empty_lse_nan\": " + std::to_string(c.empty_lse_nan) +
+           ", \"empty_lse_finite\": " + std::to_string(c.empty_lse_finite) + "}" +
+           (i + 1 < rows.size() ? ",\n" : "\n");
+  }
+  return out + "]\n";
 }
 
 int run_check(const check_options& opt) {
@@ -153,7 +215,7 @@ int run_check(const check_options& opt) {
       check_row row{stem, "candidate", dtype, {}, verdict::error, ""};
       try {
         const testdata::result r = testdata::read_result(cand, fx.golden);
-        judge(row, fx, r.o.data(), r.lse.data());
+        judge(row, fx, r.o.data(), r.has_lse ? r.lse.data() : nullptr);
       } catch (const problem_error& e) {
         row.message = e.what();
         errors.push_back(e.what());
@@ -185,6 +247,7 @@ int run_check(const check_options& opt) {
   const auto n_fail = count(verdict::fail), n_error = count(verdict::error);
   std::printf("\n%zu checks: %lld pass, %lld fail, %lld could not be run\n", rows.size(),
               (long long)count(verdict::pass), (long long)n_fail, (long long)n_error);
+  if (!opt.json.empty()) write_text_atomically(opt.json, rows_json(rows));
   for (const std::string& e : errors)
     std::fprintf(stderr, "flashref: %s\n", e.c_str());
   if (n_fail > 0) return 1;
@@ -215,6 +278,7 @@ void add_check(CLI::App& app, exit_slot status) {
   cmd->add_option("--backend", opt->backends,
                   "Backends to judge (reference, cpu, cuda, automatic); default: every available "
                   "one");
+  cmd->add_option("--json", opt->json, "Also write the verdict rows as JSON to this file");
   cmd->callback([opt, status] { *status = run_check(*opt); });
 }
 

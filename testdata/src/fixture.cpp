@@ -226,7 +226,10 @@ result read_result(const std::filesystem::path& path, const reference::golden& g
   result r;
   r.o = h5::load<double, 4>(
       f, "/o", {std::size_t(s[0]), std::size_t(s[1]), std::size_t(s[2]), std::size_t(s[3])});
-  r.lse = h5::load<double, 3>(f, "/lse", {std::size_t(s[0]), std::size_t(s[1]), std::size_t(s[2])});
+  r.has_lse = f.has("/lse");
+  if (r.has_lse)
+    r.lse =
+        h5::load<double, 3>(f, "/lse", {std::size_t(s[0]), std::size_t(s[1]), std::size_t(s[2])});
   return r;
 }
 

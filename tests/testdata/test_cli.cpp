@@ -2,6 +2,8 @@
 // or a changed fixture, 2 bad input), one line on stderr for bad input, no output file left.
 
 #include <sys/wait.h>
+#include <fstream>
+#include <iterator>
 
 #include <catch2/catch.hpp>
 
@@ -120,7 +122,47 @@ TEST_CASE("cli: run writes a result that check accepts, a NaN row or a wrong emp
                            quoted(dir / "zero_lse.h5"));
   CAPTURE(zero.out, zero.err);
   CHECK(zero.rc == 1);
-  CHECK_THAT(zero.out, Contains("FAIL: 1 empty rows not (0, -inf)") && Contains("31/32"));
+  CHECK_THAT(zero.out, Contains("FAIL: 1 empty rows not (0, -inf) [1 LSE 0]") && Contains("31/32"));
+
+  // +inf LSE and a non-zero O on empty rows are named as such, and recorded in --json.
+  lse.data()[empty] = INFINITY;
+  o.data()[empty * Dv] = 0.5f;
+  td::write_result(dir / "inf_lse.h5", o, lse, "hand-made");
+  const outcome inf = cli("check " + fixture_path("blocksparse_empty_rows") + " --candidate " +
+                          quoted(dir / "inf_lse.h5") + " --json " + quoted(dir / "v.json"));
+  CAPTURE(inf.out, inf.err);
+  CHECK(inf.rc == 1);
+  CHECK_THAT(inf.out, Contains("[1 O != 0, 1 LSE +inf]"));
+  std::ifstream js(dir / "v.json");
+  const std::string json((std::istreambuf_iterator<char>(js)), std::istreambuf_iterator<char>());
+  CHECK_THAT(json, Contains("\"verdict\": \"fail\"") && Contains("\"empty_lse_posinf\": 1") &&
+                       Contains("\"empty_o_nonzero\": 1"));
+}
+
+TEST_CASE("cli: a candidate without /lse is judged on O alone", "[cli]") {
+  temp_dir dir;
+  const auto result = dir / "r.h5";
+  REQUIRE(cli("run --problem " + fixture_path("causal_lq_gt_lk") + " --out " + quoted(result) +
+              " --backend reference")
+              .rc == 0);
+  const td::fixture fx = td::read_fixture(testdata_dir() / "causal_lq_gt_lk.h5");
+  const td::result r = td::read_result(result, fx.golden);
+  h5::write_atomically(dir / "o_only.h5", [&](h5::file& f) {
+    h5::dump(f, "/o", xt::xtensor<float, 4>(xt::cast<float>(r.o)));
+  });
+  const outcome ok =
+      cli("check " + fixture_path("causal_lq_gt_lk") + " --candidate " + quoted(dir / "o_only.h5"));
+  CAPTURE(ok.out, ok.err);
+  CHECK(ok.rc == 0);
+  CHECK_THAT(ok.out, Contains("PASS: no /lse: O judged alone"));
+  // O alone still fails on an empty row whose output is not 0.
+  xt::xtensor<float, 4> o = xt::cast<float>(r.o);
+  o(0, 0, 0, 0) = 1.0f;  // row 0 sees no key (causal, Lq > Lk)
+  h5::write_atomically(dir / "bad.h5", [&](h5::file& f) { h5::dump(f, "/o", o); });
+  const outcome bad =
+      cli("check " + fixture_path("causal_lq_gt_lk") + " --candidate " + quoted(dir / "bad.h5"));
+  CHECK(bad.rc == 1);
+  CHECK_THAT(bad.out, Contains("[1 O != 0]"));
 }
 
 TEST_CASE("cli: candidates stored as float64 or float16 are read and judged", "[cli]") {

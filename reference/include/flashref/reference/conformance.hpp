@@ -31,10 +31,18 @@ struct conformance_report {
   double max_abs_err = 0;           // over non-empty rows, O
   double max_rel_err = 0;           // |o - ref| / |ref| over elements with |ref| > atol
   double max_lse_err = 0;           // over non-empty rows
+  bool lse_judged = true;           // false when the result carries no LSE (O judged alone)
+  // How the empty rows that fail do so — the choices other libraries make for them.
+  std::int64_t empty_o_nonzero = 0;   // O not exactly 0
+  std::int64_t empty_lse_posinf = 0;  // LSE = +inf (FlashAttention-2)
+  std::int64_t empty_lse_zero = 0;    // LSE = 0
+  std::int64_t empty_lse_nan = 0;     // LSE = NaN
+  std::int64_t empty_lse_finite = 0;  // LSE another finite value
   bool pass() const { return nan_rows == 0 && empty_rows_bad == 0 && bad_elements == 0; }
 };
 
-// o: row-major (B, Hq, Lq, Dv), lse: row-major (B, Hq, Lq), both as float or double.
+// o: row-major (B, Hq, Lq, Dv), lse: row-major (B, Hq, Lq), both as float or double. lse may
+// be null for a result without LSE: O is judged alone and lse_judged is false.
 template <class T>
 conformance_report compare(const reference::golden& g, const T* o, const T* lse,
                            const tolerance& tol);

@@ -90,10 +90,12 @@ spec_row spec_row_of(const attention_problem& p, std::int64_t b, std::int64_t h,
 // A result file: O and LSE of some kernel on a problem.
 struct result {
   xt::xtensor<double, 4> o;    // (B, Hq, Lq, Dv)
-  xt::xtensor<double, 3> lse;  // (B, Hq, Lq)
+  xt::xtensor<double, 3> lse;  // (B, Hq, Lq); empty when the file has no /lse
+  bool has_lse = true;
 };
 
 // Reads /o and /lse of any HDF5 float type; their shapes must be those of the golden result.
+// /lse is optional (not every kernel exposes it): without it only O can be judged.
 result read_result(const std::filesystem::path& path, const reference::golden& golden);
 // Writes /o and /lse as float32 atomically; `backend` is recorded as a root attribute.
 void write_result(const std::filesystem::path& path, const xt::xtensor<float, 4>& o,
