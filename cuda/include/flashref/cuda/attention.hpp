@@ -1,0 +1,84 @@
+#pragma once
+// flashref's CUDA backend. Two entries:
+//
+//  - attention(problem): the host entry used by flashref::attention(problem, backend::cuda).
+//    It copies the host float32 data to the device, runs, and copies O and LSE back. When
+//    problem.dtype is bfloat16 or float16 (every input exactly representable) it runs the
+//    tensor-core kernels, otherwise the float32 kernel.
+//  - attention(device_problem, stream): caller-owned device memory and a CUDA stream; inputs
+//    in float32, bfloat16 or float16, output in float32 or the input dtype, LSE in float32.
+//
+// Both give SPEC §2's meaning, including rows with no visible key: O = 0, LSE = -inf.
+// Every CUDA error becomes a flashref::problem_error carrying the CUDA error text.
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "flashref/reference/problem.hpp"
+
+namespace flashref::cuda {
+
+// Is a CUDA device usable now? On false, *reason (when given) says why in one line.
+bool device_available(std::string* reason);
+
+// Host entry: validates, copies to the device, computes p.o and p.lse, copies back.
+void attention(const attention_problem& p);
+
+// A device tensor: pointer + shape + strides, in elements of the tensor's dtype.
+template <int R>
+struct device_view {
+  const void* data = nullptr;
+  std::array<std::int64_t, R> shape{};
+  std::array<std::int64_t, R> stride{};
+};
+
+template <int R>
+struct device_out_view {
+  void* data = nullptr;
+  std::array<std::int64_t, R> shape{};
+  std::array<std::int64_t, R> stride{};
+};
+
+// The attention problem of SPEC §2 over caller-owned device memory.
+struct device_problem {
+  input_dtype input = input_dtype::bfloat16;  // element type of q, k, v
+  input_dtype output = input_dtype::float32;  // element type of o: float32 or the input dtype
+  device_view<4> q;                           // (B, Hq, Lq, D)
+  device_view<4> k;                           // (B, Hk, Lk, D)
+  device_view<4> v;                           // (B, Hk, Lk, Dv)
+  device_out_view<4> o;                       // (B, Hq, Lq, Dv)
+  device_out_view<3> lse;                     // (B, Hq, Lq) float32, natural log; data may be null
+
+  std::optional<double> scale;  // default 1/sqrt(D)
+  causal_mode causal = causal_mode::none;
+  std::int64_t window_left = -1;
+  std::int64_t window_right = -1;
+
+  // Block mask (Bm, Hm, ceil(Lq/block_q), ceil(Lk/block_k)) of uint8 in device memory;
+  // Bm in {1, B}, Hm in {1, Hq}; absent when block_mask.data is null.
+  device_view<4> block_mask;
+  std::int64_t block_q = 0;
+  std::int64_t block_k = 0;
+
+  // (B) int32 in device memory, or null. Values must lie in [0, Lk]; device memory is not read
+  // on the host, so they are not validated here.
+  const std::int32_t* kv_len = nullptr;
+};
+
+// Device entry: validates shapes on the host, then enqueues the kernel on `stream`. It does not
+// synchronize; errors of the launch itself are thrown.
+//
+// The tensor-core kernels (bfloat16 / float16 input) need head dims D = Dv in {64, 128}, unit
+// stride in the last dimension of q, k, v and 16-byte aligned rows; other bfloat16 / float16
+// problems run on the float32-accumulating SIMT kernel. float32 input runs the SIMT kernel for
+// any D, Dv <= 256 and any strides.
+void attention(const device_problem& p, cudaStream_t stream);
+
+// Which kernel attention(p, stream) would run: "tensor_core" or "simt". Throws like attention.
+const char* kernel_for(const device_problem& p);
+
+}  // namespace flashref::cuda

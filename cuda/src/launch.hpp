@@ -1,0 +1,41 @@
+#pragma once
+// The boundary between the host wrapper (attention.cpp) and the kernels (*.cu): plain data
+// only, no xtensor, includable from both compilers.
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "flashref/reference/mask.hpp"
+
+namespace flashref::cuda::detail {
+
+enum class elem : int { f32 = 0, bf16 = 1, f16 = 2 };
+
+struct kernel_params {
+  const void* q;  // (B, Hq, Lq, D)
+  const void* k;  // (B, Hk, Lk, D)
+  const void* v;  // (B, Hk, Lk, Dv)
+  void* o;        // (B, Hq, Lq, Dv)
+  float* lse;     // (B, Hq, Lq) or null
+  std::int64_t q_stride[4], k_stride[4], v_stride[4], o_stride[4], lse_stride[3];
+  std::int64_t batch, heads_q, heads_k, len_q, len_k, head_dim, head_dim_v;
+  std::int64_t group;  // query heads per key/value head
+  float scale;
+  elem out;        // f32, or the input element type
+  mask_spec mask;  // block_mask and kv_len point to device memory
+};
+
+// Tensor-core kernels: input bf16 or f16, head_dim == head_dim_v in {64, 128}, unit stride in
+// the last dimension and 16-byte aligned rows (checked by the caller).
+cudaError_t launch_tensor_core(const kernel_params& p, elem input, cudaStream_t stream);
+
+// The float32-accumulating SIMT kernel: any strides, head dims up to kSimtMaxHeadDim.
+inline constexpr std::int64_t kSimtMaxHeadDim = 256;
+cudaError_t launch_simt(const kernel_params& p, elem input, cudaStream_t stream);
+
+// dst[i] = (bf16 or f16) src[i] on the device.
+cudaError_t launch_convert(const float* src, void* dst, std::int64_t n, elem to,
+                           cudaStream_t stream);
+
+}  // namespace flashref::cuda::detail
