@@ -188,8 +188,8 @@ IMPLS = [
     ("sdpa-flash", "bf16/fp16", sdpa_flash, "torch SDPA, flash backend (CUDA)"),
     ("sdpa-cudnn", "bf16/fp16", sdpa_cudnn, "torch SDPA, cuDNN backend (CUDA)"),
     ("flex-eager", "fp32", lambda c: flex(c, False), "FlexAttention, eager"),
-    ("flex-compiled", "fp32", lambda c: flex(c, True), "FlexAttention, torch.compile"),
     ("sdpa-cpu", "fp32", sdpa_cpu, "torch SDPA, CPU flash kernel"),
+    ("flex-compiled", "fp32", lambda c: flex(c, True), "FlexAttention, torch.compile"),
 ]
 
 
@@ -232,7 +232,7 @@ def main():
     ap.add_argument("--out", required=True)
     ap.add_argument("--markdown")
     ap.add_argument("--only", nargs="*", help="implementations to run (default: all)")
-    ap.add_argument("--budget-s", type=float, default=420, help="stop starting new work after this")
+    ap.add_argument("--budget-s", type=float, default=240, help="stop starting new work after this")
     ap.add_argument("--ours", nargs="*", default=[],
                     help="our backends to judge alongside (e.g. cpu cuda), as flashref-<name>")
     args = ap.parse_args()
