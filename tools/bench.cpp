@@ -289,13 +289,23 @@ nlohmann::json to_json(const bench_record& r) {
 
 // GFLOP/s against sequence length, one line per (mask, head dim), for the cpu backend's grid
 // points; the measured peak as a dashed line.
-std::string plot_svg(const std::vector<bench_record>& recs, double peak) {
+std::string plot_svg(const std::vector<bench_record>& recs, const std::vector<double>& densities,
+                     double peak) {
   std::map<std::string, std::vector<std::pair<double, double>>> lines;
   double xmin = 1e30, xmax = 0, ymax = peak;
   for (const bench_record& r : recs) {
     if (r.backend != "cpu" || r.note.find("grid") == std::string::npos) continue;
-    const std::string key = point_label(r) + ", D=" + std::to_string(r.point.D);
-    lines[key].push_back({double(r.point.Lk), r.gflops});
+    std::ostringstream key;  // one line per requested density (the drawn one varies with L)
+    key << r.point.mask;
+    if (r.point.mask == "block_sparse") {
+      double nominal = r.point.density, best = INFINITY;
+      for (double d : densities) {
+        if (std::abs(d - r.point.density) < best) best = std::abs(d - r.point.density), nominal = d;
+      }
+      key << ' ' << nominal;
+    }
+    key << ", D=" << r.point.D;
+    lines[key.str()].push_back({double(r.point.Lk), r.gflops});
     xmin = std::min(xmin, double(r.point.Lk));
     xmax = std::max(xmax, double(r.point.Lk));
     ymax = std::max(ymax, r.gflops);
@@ -584,7 +594,7 @@ int run_bench(const bench_options& opt) {
       j.push_back(to_json(r));
     write_text_atomically(opt.json, j.dump(1) + "\n");
   }
-  if (!opt.plot.empty()) write_text_atomically(opt.plot, plot_svg(recs, peak));
+  if (!opt.plot.empty()) write_text_atomically(opt.plot, plot_svg(recs, opt.densities, peak));
   if (!ok) std::fprintf(stderr, "flashref bench: NaN in an output\n");
   return ok ? 0 : 1;
 }
