@@ -35,6 +35,7 @@ using detail::work_item;
 // the thread count — so every thread count computes the same bits.
 constexpr std::int64_t kMinItems = 128;       // aim for at least this many work items
 constexpr std::int64_t kMinChunkKeys = 1024;  // never cut the keys finer than this
+constexpr std::int64_t kMaxTile = 4096;       // largest tile_q / tile_k accepted
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
   return (a + b - 1) / b;
@@ -153,9 +154,11 @@ isa best_isa() {
 
 plan make_plan(const attention_problem& p, const options& opt) {
   validate(p);
-  // Options: sizes are positive or 0 for "the default".
-  if (opt.tile_q < 0) fail("tile_q", ">= 0 (0 = default)", std::to_string(opt.tile_q));
-  if (opt.tile_k < 0) fail("tile_k", ">= 0 (0 = default)", std::to_string(opt.tile_k));
+  // Tiles live in a per-thread workspace: bounded, so that a typo cannot ask for gigabytes.
+  if (opt.tile_q < 0 || opt.tile_q > kMaxTile)
+    fail("tile_q", "0 (default) .. " + std::to_string(kMaxTile), std::to_string(opt.tile_q));
+  if (opt.tile_k < 0 || opt.tile_k > kMaxTile)
+    fail("tile_k", "0 (default) .. " + std::to_string(kMaxTile), std::to_string(opt.tile_k));
   if (opt.threads < 0) fail("threads", ">= 0 (0 = default)", std::to_string(opt.threads));
   if (opt.kv_chunk < 0) fail("kv_chunk", ">= 0 (0 = automatic)", std::to_string(opt.kv_chunk));
   plan pl;

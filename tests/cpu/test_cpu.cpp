@@ -260,7 +260,11 @@ TEST_CASE("cpu: options are validated", "[cpu]") {
   flashref::cpu::options opt;
   opt.tile_q = -1;
   REQUIRE_THROWS_WITH(flashref::cpu::attention(op.p, opt),
-                      "tile_q: expected >= 0 (0 = default), got -1");
+                      "tile_q: expected 0 (default) .. 4096, got -1");
+  opt.tile_q = 0;
+  opt.tile_k = 100000;
+  REQUIRE_THROWS_WITH(flashref::cpu::attention(op.p, opt),
+                      "tile_k: expected 0 (default) .. 4096, got 100000");
   opt = {};
   opt.threads = -2;
   REQUIRE_THROWS_AS(flashref::cpu::attention(op.p, opt), flashref::problem_error);
