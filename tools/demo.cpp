@@ -264,7 +264,8 @@ void add_demo(CLI::App& app, exit_slot status) {
   cmd->add_option(
       "--backend", opt->backends,
       "Backends to run (reference, cpu, cuda, automatic); default: every available one");
-  cmd->add_flag("!--no-timing", opt->timing, "Omit the time and GFLOP/s columns (reproducible output)");
+  cmd->add_flag("!--no-timing", opt->timing,
+                "Omit the time and GFLOP/s columns (reproducible output)");
   cmd->callback([opt, status] { *status = run_demo(*opt); });
 }
 
