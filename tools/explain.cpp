@@ -36,6 +36,17 @@ std::string num(double x, int prec = 4) {
   return buf;
 }
 
+// Numbers separated by single spaces.
+template <class It>
+std::string join(It first, It last, int prec) {
+  std::string s;
+  for (It it = first; it != last; ++it) {
+    if (it != first) s += ' ';
+    s += num(*it, prec);
+  }
+  return s;
+}
+
 std::vector<double> parse_list(const std::string& field, const std::string& s) {
   std::vector<double> out;
   std::stringstream ss(s);
@@ -134,11 +145,10 @@ void print_detail(const explain_inputs& in, const std::string& variant, const sp
               "m_new", "exp_old", "s", "out (unnormalised)", "invariant");
   bool nan_seen = false;
   for (const spec_step& st : r.trace) {
-    std::string scores, out;
-    for (double x : st.scores)
-      scores += (scores.empty() ? "" : " ") + num(x, 3);
-    for (std::size_t d = 0; d < std::min<std::size_t>(st.out.size(), 3); ++d)
-      out += (out.empty() ? "" : " ") + num(st.out[d], 4);
+    const std::string scores = join(st.scores.begin(), st.scores.end(), 3);
+    std::string out =
+        join(st.out.begin(),
+             st.out.begin() + std::min<std::ptrdiff_t>(3, std::ptrdiff_t(st.out.size())), 4);
     if (st.out.size() > 3) out += " ...";
     char keys[32];
     std::snprintf(keys, sizeof keys, "[%lld,%lld)", (long long)st.k0, (long long)st.k1);
@@ -154,11 +164,8 @@ void print_detail(const explain_inputs& in, const std::string& variant, const sp
                 scores.c_str(), num(st.m_old).c_str(), num(st.m_new).c_str(),
                 num(st.exp_old).c_str(), num(st.s).c_str(), out.c_str(), inv.c_str());
   }
-  std::string o, w;
-  for (std::size_t d = 0; d < r.out.size(); ++d)
-    o += (d ? " " : "") + num(r.out(d), 6);
-  for (std::size_t d = 0; d < one_shot.out.size(); ++d)
-    w += (d ? " " : "") + num(one_shot.out(d), 6);
+  const std::string o = join(r.out.begin(), r.out.end(), 6);
+  const std::string w = join(one_shot.out.begin(), one_shot.out.end(), 6);
   std::printf("final: out = [%s], lse = %s\n", o.c_str(), num(r.lse, 6).c_str());
   std::printf("one-shot softmax: out = [%s], lse = %s\n\n", w.c_str(),
               num(one_shot.lse, 6).c_str());

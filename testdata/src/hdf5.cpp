@@ -357,8 +357,11 @@ object_list list_objects(const file& f) {
       [](hid_t, const char* name, const H5L_info_t*, void* data) -> herr_t {
         auto* cx = static_cast<ctx*>(data);
         handle o(H5Oopen(cx->root, name, H5P_DEFAULT), H5Oclose);
-        if (o.ok())
-          cx->out->is_dataset["/" + std::string(name)] = H5Iget_type(o.get()) == H5I_DATASET;
+        if (o.ok()) {
+          std::string path = "/";  // appended, not "/" + name: GCC 12 misreports -Wrestrict
+          path += name;
+          cx->out->is_dataset[path] = H5Iget_type(o.get()) == H5I_DATASET;
+        }
         return 0;
       },
       &c);
