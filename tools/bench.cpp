@@ -48,6 +48,7 @@ struct bench_options {
   bool baselines = true;       // peak FMA, copy bandwidth, OpenBLAS naive, reference
   double seconds = 0.3;        // timed repetitions per point fill about this long
   std::string isa = "automatic";
+  std::int64_t tile_q = 0, tile_k = 0;  // the CPU kernels' tiles; 0 = the instruction set's default
   std::string json, plot;
   bool memory_check = false;
   std::uint64_t seed = 2024;
@@ -411,6 +412,8 @@ int run_bench(const bench_options& opt) {
   }
   cpu::options copt;
   copt.instruction_set = cpu::parse_isa(opt.isa);
+  copt.tile_q = opt.tile_q;
+  copt.tile_k = opt.tile_k;
   if (copt.instruction_set != cpu::isa::automatic && !cpu::supported(copt.instruction_set))
     throw problem_error(std::string("isa: expected an instruction set this processor runs, got '") +
                         opt.isa + "'");
@@ -516,6 +519,8 @@ int run_bench(const bench_options& opt) {
         r.median_s = median_time([&] { cpu::attention(d.p, copt); }, opt.seconds);
         cpu_time = r.median_s;
         if (pl.kv_splits > 1) r.note += ", " + std::to_string(pl.kv_splits) + " kv chunks";
+        if (opt.tile_q > 0 || opt.tile_k > 0)
+          r.note += ", tiles " + std::to_string(pl.tile_q) + "x" + std::to_string(pl.tile_k);
       } else {
         r.threads = 1;
         r.median_s = median_time([&] { reference::tiled_attention(d.p); }, opt.seconds);
@@ -617,6 +622,8 @@ void add_bench(CLI::App& app, exit_slot status) {
   cmd->add_option("--model", opt->model, "Hq * D on the grid");
   cmd->add_option("--seconds", opt->seconds, "timed seconds per point (at least 3 runs)");
   cmd->add_option("--isa", opt->isa, "CPU instruction set: automatic, portable, avx2, avx512");
+  cmd->add_option("--tile-q", opt->tile_q, "CPU query tile (0: the instruction set's default)");
+  cmd->add_option("--tile-k", opt->tile_k, "CPU key tile (0: the instruction set's default)");
   cmd->add_option("--seed", opt->seed, "seed of the inputs and block masks");
   cmd->add_option("--json", opt->json, "write the records as JSON to this file");
   cmd->add_option("--plot", opt->plot, "write GFLOP/s vs sequence length as SVG to this file");
