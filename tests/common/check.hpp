@@ -39,6 +39,21 @@ inline conformance_report check_against_naive(const owned_problem& op,
   return compare(g, o.data(), lse.data(), default_tolerance(dtype, max_v));
 }
 
+// Two runs of one problem agree within `tol` (e.g. different tile sizes); infinite LSEs
+// (empty rows) must agree exactly.
+#define FLASHREF_REQUIRE_OUTPUTS_CLOSE(a, b, tol)                \
+  do {                                                           \
+    for (std::size_t n_ = 0; n_ < (a).o.size(); ++n_)            \
+      REQUIRE((a).o[n_] == Approx((b).o[n_]).margin(tol));       \
+    for (std::size_t n_ = 0; n_ < (a).lse.size(); ++n_) {        \
+      if (std::isinf((b).lse[n_])) {                             \
+        REQUIRE((a).lse[n_] == (b).lse[n_]);                     \
+      } else {                                                   \
+        REQUIRE((a).lse[n_] == Approx((b).lse[n_]).margin(tol)); \
+      }                                                          \
+    }                                                            \
+  } while (0)
+
 #define FLASHREF_REQUIRE_CONFORMS(rep)                                                      \
   do {                                                                                      \
     const ::flashref::conformance_report& r_ = (rep);                                       \
