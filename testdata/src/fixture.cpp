@@ -198,6 +198,13 @@ void write_fixture(const std::filesystem::path& path, const fixture& fx) {
 }
 
 spec_row spec_row_of(const attention_problem& p, std::int64_t b, std::int64_t h, std::int64_t i) {
+  // The row must exist: its index reads Q directly.
+  if (b < 0 || b >= p.batch() || h < 0 || h >= p.heads_q() || i < 0 || i >= p.len_q()) {
+    throw problem_error("row: expected (b, h, i) below (" + std::to_string(p.batch()) + ", " +
+                        std::to_string(p.heads_q()) + ", " + std::to_string(p.len_q()) +
+                        "), got (" + std::to_string(b) + ", " + std::to_string(h) + ", " +
+                        std::to_string(i) + ")");
+  }
   const mask_spec mask = make_mask_spec(p);
   const std::int64_t hk = h / p.group_size();
   const std::size_t Lk = std::size_t(p.len_k()), D = std::size_t(p.head_dim()),

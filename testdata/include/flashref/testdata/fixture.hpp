@@ -85,6 +85,7 @@ struct spec_row {
   xt::xtensor<std::uint8_t, 1> key_mask;  // (Lk) non-zero = visible
   double scale = 1.0;
 };
+// Throws problem_error when (b, h, i) is not a row of p.
 spec_row spec_row_of(const attention_problem& p, std::int64_t b, std::int64_t h, std::int64_t i);
 
 // A result file: O and LSE of some kernel on a problem.
