@@ -4,8 +4,6 @@
 #include <cmath>
 #include <string>
 
-#include <xtensor/xview.hpp>
-
 #include "flashref/reference/online_softmax.hpp"
 #include "flashref/reference/problem.hpp"
 
@@ -38,6 +36,13 @@ double score_of(const xt::xtensor<double, 1>& q, const xt::xtensor<double, 2>& K
   for (std::size_t d = 0; d < q.shape(0); ++d)
     dot += q(d) * K(j, d);
   return scale * dot;
+}
+
+// out += p * V[j] (a plain loop: the spec function runs once per row in the demo).
+void add_scaled_row(xt::xtensor<double, 1>& out, double p, const xt::xtensor<double, 2>& V,
+                    std::size_t j) {
+  for (std::size_t d = 0; d < out.size(); ++d)
+    out(d) += p * V(j, d);
 }
 
 }  // namespace
@@ -74,7 +79,7 @@ spec_result tiled_softmax_dot(const xt::xtensor<double, 1>& q, const xt::xtensor
       if (step.scores[j - k0] == -INFINITY) continue;  // masked: its value is never read
       const double p = st.prob(step.scores[j - k0]);   // exp(score_j - m_new)
       p_sum += p;
-      out += p * xt::view(V, j, xt::all());
+      add_scaled_row(out, p, V, j);  // out += p * V[j]
     }
     st.absorb(p_sum);
 
@@ -111,7 +116,7 @@ spec_result one_shot_softmax_dot(const xt::xtensor<double, 1>& q, const xt::xten
   for (std::size_t j = 0; j < Lk; ++j)
     sum += std::exp(scores[j] - mx);
   for (std::size_t j = 0; j < Lk; ++j) {
-    res.out += (std::exp(scores[j] - mx) / sum) * xt::view(V, j, xt::all());
+    add_scaled_row(res.out, std::exp(scores[j] - mx) / sum, V, j);
   }
   res.lse = mx + std::log(sum);
   return res;
@@ -151,7 +156,7 @@ spec_result broken_loop(const xt::xtensor<double, 1>& q, const xt::xtensor<doubl
     for (std::size_t j = k0; j < k1; ++j) {
       const double p = std::exp(step.scores[j - k0] - m_new);  // NaN when both are -inf
       s += p;
-      out += p * xt::view(V, j, xt::all());
+      add_scaled_row(out, p, V, j);  // out += p * V[j]
     }
     step.m_old = m;
     step.m_new = m_new;
