@@ -140,6 +140,16 @@ void copy_array(std::int64_t (&dst)[R], const std::array<std::int64_t, R>& src) 
     dst[d] = src[d];
 }
 
+// Is every element of a host view finite?
+bool all_finite(const strided<const float, 4>& v) {
+  for (std::int64_t b = 0; b < v.shape[0]; ++b)
+    for (std::int64_t h = 0; h < v.shape[1]; ++h)
+      for (std::int64_t j = 0; j < v.shape[2]; ++j)
+        for (std::int64_t d = 0; d < v.shape[3]; ++d)
+          if (!std::isfinite(v(b, h, j, d))) return false;
+  return true;
+}
+
 // Packs a strided host view into a contiguous row-major vector.
 template <class T, int R>
 std::vector<std::remove_const_t<T>> pack(const strided<T, R>& v) {
@@ -250,6 +260,10 @@ void attention(const attention_problem& p) {
   // The packed copies live in cudaMalloc'ed (256-byte aligned) buffers, so the shape alone
   // decides whether the tensor-core kernel applies; otherwise the float32 kernel runs.
   if (in != input_dtype::float32 && !use_tensor_core(dp)) dp.input = input_dtype::float32;
+  // The tensor-core kernel's P·V would carry a NaN or inf of V into the rows of a partial tile
+  // that mask its key (0 · NaN). Such a V goes to the float32 kernel, which never reads a
+  // masked key's value: a NaN reaches only the rows that see it (SPEC §2).
+  if (dp.input != input_dtype::float32 && !all_finite(p.v)) dp.input = input_dtype::float32;
 
   cudaStream_t stream = nullptr;
   auto upload = [&](const strided<const float, 4>& host, device_view<4>& dev,

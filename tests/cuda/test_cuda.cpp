@@ -354,6 +354,36 @@ TEST_CASE("cuda never reads key tiles with no visible key", "[cuda][race]") {
   FLASHREF_REQUIRE_CONFORMS(r);
 }
 
+TEST_CASE("cuda: a NaN or inf in V reaches only the rows that see its key", "[cuda][race]") {
+  // Causal, Lq = Lk = 128: key 70 is visible to rows 70.. only, and rows 64..69 share its
+  // query and key tiles. In the tensor-core kernel's P·V, 0 · NaN would reach them; the host
+  // entry routes such a V to the float32 kernel, which never reads a masked key's value.
+  problem_shape s;
+  s.Lq = s.Lk = 128, s.causal = causal_mode::bottom_right;
+  s.D = s.Dv = GENERATE(64, 128);
+  const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float16);
+  const float bad = GENERATE(NAN, INFINITY);
+  CAPTURE(s.D, flashref::to_string(dtype), bad);
+  owned_problem op(s, 43);
+  round_inputs(dtype, op);
+  op.p.dtype = dtype;
+  op.v[std::size_t(70 * s.Dv + 5)] = bad;
+  op.poison_outputs();
+  fc::attention(op.p);
+  for (std::int64_t i = 0; i < s.Lq; ++i) {
+    CAPTURE(i);
+    bool finite = std::isfinite(op.p.lse(0, 0, i));
+    for (std::int64_t d = 0; d < s.Dv; ++d)
+      finite = finite && std::isfinite(op.p.o(0, 0, i, d));
+    REQUIRE(finite == (i < 70));
+  }
+  // A finite V still takes the tensor-core kernel, and meets the contract.
+  op.v[std::size_t(70 * s.Dv + 5)] = 0.5f;
+  op.poison_outputs();
+  fc::attention(op.p);
+  FLASHREF_REQUIRE_CONFORMS(check_against_naive(op, dtype));
+}
+
 TEST_CASE("cuda device entry: kernel choice and errors name the field", "[cuda]") {
   fc::device_problem dp;
   const std::array<std::int64_t, 4> shape{1, 2, 16, 64};
