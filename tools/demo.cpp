@@ -121,7 +121,7 @@ void run_spec_variant(const demo_problem& d, std::int64_t tile, loop_kind kind,
   }
 }
 
-struct row_row {
+struct variant_result {
   std::string variant;
   bool teaching;
   conformance_report rep;
@@ -195,7 +195,7 @@ int run_demo(const demo_options& opt) {
       tol.atol, tol.rtol, tol.atol_lse);
 
   using clock = std::chrono::steady_clock;
-  std::vector<row_row> rows;
+  std::vector<variant_result> rows;
   const struct {
     const char* name;
     loop_kind kind;
@@ -228,7 +228,7 @@ int run_demo(const demo_options& opt) {
   if (opt.timing) std::printf(" %10s %9s", "time ms", "GFLOP/s");
   std::printf("  %s\n", "verdict");
   bool ok = true;
-  for (const row_row& r : rows) {
+  for (const variant_result& r : rows) {
     const bool pass = r.rep.pass();
     if (!r.teaching && !pass) ok = false;
     char empty[32];
