@@ -28,11 +28,10 @@ struct run_options {
 
 int run_problem(const run_options& opt) {
   const backend chosen = resolve(parse_backend(opt.backend));  // bad backend: before any I/O
-  const testdata::problem_inputs in = testdata::read_problem(opt.problem);
-  xt::xtensor<float, 4> o;
-  xt::xtensor<float, 3> lse;
-  const attention_problem p = in.problem(o, lse);
-  const backend used = attention(p, chosen);
+  problem_data in = testdata::read_problem(opt.problem);
+  const backend used = attention(in.problem(), chosen);
+  const auto& o = in.o;
+  const auto& lse = in.lse;
   testdata::write_result(opt.out, o, lse, to_string(used));
   std::printf("%s: wrote /o [%zu, %zu, %zu, %zu] and /lse [%zu, %zu, %zu] (float32, backend %s)\n",
               opt.out.c_str(), o.shape(0), o.shape(1), o.shape(2), o.shape(3), lse.shape(0),
@@ -226,11 +225,9 @@ int run_check(const check_options& opt) {
     for (const backend be : chosen) {
       check_row row{stem, to_string(be), dtype, {}, verdict::error, ""};
       try {
-        xt::xtensor<float, 4> o;
-        xt::xtensor<float, 3> lse;
-        const attention_problem p = fx.in.problem(o, lse);
-        attention(p, be);
-        judge(row, fx, o.data(), lse.data());
+        problem_data d = fx.in;
+        attention(d.problem(), be);
+        judge(row, fx, d.o.data(), d.lse.data());
       } catch (const problem_error& e) {  // e.g. a head dim this backend does not support
         row.message = std::string(to_string(be)) + " on " + name + ": " + e.what();
         errors.push_back(row.message);

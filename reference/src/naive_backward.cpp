@@ -32,7 +32,7 @@ bool naive_visible(const attention_problem& p, std::int64_t b, std::int64_t h, s
 
 golden_gradients naive_attention_backward(const attention_problem& p,
                                           const strided<const float, 4>& d_o) {
-  validate(p);
+  validate_inputs(p);
   const std::int64_t B = p.batch(), Hq = p.heads_q(), Hk = p.heads_k();
   const std::int64_t Lq = p.len_q(), Lk = p.len_k(), D = p.head_dim(), Dv = p.head_dim_v();
   if (d_o.shape != std::array<std::int64_t, 4>{B, Hq, Lq, Dv}) {

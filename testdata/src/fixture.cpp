@@ -37,8 +37,8 @@ void check_representable(const h5::file& f, const char* path, const xt::xtensor<
   }
 }
 
-problem_inputs read_problem_impl(const h5::file& f) {
-  problem_inputs in;
+problem_data read_problem_impl(const h5::file& f) {
+  problem_data in;
   in.q = h5::load<float, 4>(f, "/inputs/q");
   in.k = h5::load<float, 4>(f, "/inputs/k");
   in.v = h5::load<float, 4>(f, "/inputs/v");
@@ -66,9 +66,7 @@ problem_inputs read_problem_impl(const h5::file& f) {
     const auto kv = h5::load<std::int32_t, 1>(f, "/inputs/kv_len");
     opt.kv_len.assign(kv.begin(), kv.end());
   }
-  xt::xtensor<float, 4> o;
-  xt::xtensor<float, 3> lse;
-  in.problem(o, lse);  // validates shapes, masks and kv_len
+  validate(in.problem());  // shapes, masks and kv_len
   if (opt.dtype != input_dtype::float32) {
     check_representable(f, "/inputs/q", in.q, opt.dtype);
     check_representable(f, "/inputs/k", in.k, opt.dtype);
@@ -77,11 +75,11 @@ problem_inputs read_problem_impl(const h5::file& f) {
   return in;
 }
 
-std::array<std::size_t, 4> o_shape(const problem_inputs& in) {
+std::array<std::size_t, 4> o_shape(const problem_data& in) {
   return {in.q.shape(0), in.q.shape(1), in.q.shape(2), in.v.shape(3)};
 }
 
-std::array<std::size_t, 3> lse_shape(const problem_inputs& in) {
+std::array<std::size_t, 3> lse_shape(const problem_data& in) {
   return {in.q.shape(0), in.q.shape(1), in.q.shape(2)};
 }
 
@@ -101,14 +99,7 @@ float round_to(input_dtype dtype, float x) {
   return std::fabs(r) > 65504.0f ? std::copysign(INFINITY, x) : r;
 }
 
-attention_problem problem_inputs::problem(xt::xtensor<float, 4>& o,
-                                          xt::xtensor<float, 3>& lse) const {
-  attention_problem p = make_problem(q, k, v, opt, o, lse);
-  validate(p);
-  return p;
-}
-
-problem_inputs read_problem(const h5::file& f) {
+problem_data read_problem(const h5::file& f) {
   try {
     return read_problem_impl(f);
   } catch (const problem_error& e) {
@@ -118,7 +109,7 @@ problem_inputs read_problem(const h5::file& f) {
   }
 }
 
-problem_inputs read_problem(const std::filesystem::path& path) {
+problem_data read_problem(const std::filesystem::path& path) {
   return read_problem(h5::file::open(path));
 }
 
@@ -157,9 +148,7 @@ fixture read_fixture(const std::filesystem::path& path) {
 }
 
 void write_fixture(const std::filesystem::path& path, const fixture& fx) {
-  xt::xtensor<float, 4> o;
-  xt::xtensor<float, 3> lse;
-  const attention_problem p = fx.in.problem(o, lse);
+  const attention_problem p = fx.in.inputs();
   const attention_options& opt = fx.in.opt;
   h5::write_atomically(path, [&](h5::file& f) {
     h5::write_attr(f, kRoot, "format_version", kFormatVersion);

@@ -1,14 +1,17 @@
 #pragma once
-// Test helper for the backward pass: an upstream gradient and gradient storage laid out like
-// an owned_problem's tensors, and the judgement of a backend's gradients against the naive
-// float64 golden ones with SPEC §9's tolerance.
+// Test helper for the backward pass: an upstream gradient and gradient storage in a
+// problem_data, and the judgement of a backend's gradients against the naive float64 golden
+// ones with SPEC §9's tolerance.
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <vector>
 
 #include "flashref/reference/backward.hpp"
-#include "owned_problem.hpp"
+#include "flashref/reference/data.hpp"
+#include "flashref/testdata/random.hpp"
+#include "problem.hpp"
 
 namespace flashref::test {
 
@@ -17,14 +20,15 @@ namespace flashref::test {
 // while their spread within a row stays O(1): P is not one-hot, the gradients stay well above
 // the float32 rounding of O, and a recomputation that does not start from the stored LSE (a
 // fresh block max, say) shows. Storage keeps d innermost in both layouts: element n*D is d = 0.
-inline void offset_scores(owned_problem& op, double score_offset) {
-  const problem_shape& s = op.shape;
-  if (score_offset == 0.0 || s.D == 0) return;
-  const float c = float(std::sqrt(score_offset / op.p.softmax_scale()));
-  for (std::size_t n = 0; n < op.q.size(); n += std::size_t(s.D))
-    op.q[n] = c;
-  for (std::size_t n = 0; n < op.k.size(); n += std::size_t(s.D))
-    op.k[n] = c;
+inline void offset_scores(problem_data& d, double score_offset) {
+  const attention_problem p = d.inputs();
+  const std::int64_t D = p.head_dim();
+  if (score_offset == 0.0 || D == 0) return;
+  const float c = float(std::sqrt(score_offset / p.softmax_scale()));
+  for (std::size_t n = 0; n < d.q.size(); n += std::size_t(D))
+    d.q.data()[n] = c;
+  for (std::size_t n = 0; n < d.k.size(); n += std::size_t(D))
+    d.k.data()[n] = c;
 }
 
 // SPEC §9 scales a gradient's tolerance by its own max|ref|. Every backward that starts from a
@@ -34,40 +38,25 @@ inline void offset_scores(owned_problem& op, double score_offset) {
 // (Lk = 1), dQ and dK shrink far below that and the rule cannot be met by any such backward —
 // the float64-accumulating tiled reference fed the CPU forward's O included. Random backward
 // problems therefore keep unit-scale inputs and at least two keys; large scores are covered by
-// offset_scores below, which keeps P spread.
+// offset_scores above, which keeps P spread.
 inline problem_shape well_conditioned(problem_shape s) {
   s.value_scale = 1.0;
   if (s.Lk == 1) s.Lk = 2;
   return s;
 }
 
-struct owned_gradients {
-  std::vector<float> d_o, dq, dk, dv;
-  attention_gradients g;
-
-  // dO ~ N(0, 1) from its own stream of `seed`; dQ, dK, dV poisoned with NaN so that an
-  // element a backend forgets to write shows.
-  owned_gradients(const owned_problem& op, std::uint64_t seed) {
-    const problem_shape& s = op.shape;
-    const testdata::counter_rng r(seed, 300);
-    d_o.resize(std::size_t(s.B * s.Hq * s.Lq * s.Dv));
-    for (std::size_t n = 0; n < d_o.size(); ++n)
-      d_o[n] = float(r.normal(n));
-    dq.assign(std::size_t(s.B * s.Hq * s.Lq * s.D), NAN);
-    dk.assign(std::size_t(s.B * s.Hk * s.Lk * s.D), NAN);
-    dv.assign(std::size_t(s.B * s.Hk * s.Lk * s.Dv), NAN);
-    auto view = [&](auto* data, std::int64_t H, std::int64_t L, std::int64_t D) {
-      using T = std::remove_pointer_t<decltype(data)>;
-      return s.blhd ? from_blhd<T>(data, s.B, L, H, D) : contiguous<T, 4>(data, {s.B, H, L, D});
-    };
-    g.d_o = view(static_cast<const float*>(d_o.data()), s.Hq, s.Lq, s.Dv);
-    g.dq = view(dq.data(), s.Hq, s.Lq, s.D);
-    g.dk = view(dk.data(), s.Hk, s.Lk, s.D);
-    g.dv = view(dv.data(), s.Hk, s.Lk, s.Dv);
-  }
-  owned_gradients(const owned_gradients&) = delete;
-  owned_gradients& operator=(const owned_gradients&) = delete;
-};
+// dO ~ N(0, 1) from its own stream of `seed`, stored like O; dQ, dK, dV allocated and poisoned
+// with NaN so that an element a backend forgets to write shows.
+inline void add_upstream_gradient(problem_data& d, std::uint64_t seed) {
+  d.problem();  // allocates O in the stored layout
+  const testdata::counter_rng r(seed, 300);
+  d.d_o = xt::xtensor<float, 4>::from_shape(d.o.shape());
+  for (std::size_t n = 0; n < d.d_o.size(); ++n)
+    d.d_o.data()[n] = float(r.normal(n));
+  d.gradients();
+  for (auto* x : {&d.dq, &d.dk, &d.dv})
+    std::fill(x->begin(), x->end(), NAN);
+}
 
 // A strided (B, H, L, X) view gathered row-major.
 inline std::vector<float> gather(const strided<float, 4>& t) {
@@ -76,8 +65,8 @@ inline std::vector<float> gather(const strided<float, 4>& t) {
   for (std::int64_t b = 0; b < t.shape[0]; ++b)
     for (std::int64_t h = 0; h < t.shape[1]; ++h)
       for (std::int64_t i = 0; i < t.shape[2]; ++i)
-        for (std::int64_t d = 0; d < t.shape[3]; ++d)
-          out.push_back(t(b, h, i, d));
+        for (std::int64_t x = 0; x < t.shape[3]; ++x)
+          out.push_back(t(b, h, i, x));
   return out;
 }
 
@@ -86,15 +75,15 @@ struct backward_report {
   bool pass() const { return dq.pass() && dk.pass() && dv.pass(); }
 };
 
-inline backward_report check_backward_against_naive(const owned_problem& op,
-                                                    const owned_gradients& og,
+inline backward_report check_backward_against_naive(problem_data& d,
                                                     input_dtype dtype = input_dtype::float32) {
-  const reference::golden_gradients gold = reference::naive_attention_backward(op.p, og.g.d_o);
-  const problem_shape& s = op.shape;
+  const attention_gradients g = d.gradients();
+  const reference::golden_gradients gold = reference::naive_attention_backward(d.inputs(), g.d_o);
+  const attention_problem p = d.inputs();
   backward_report r;
-  r.dq = compare_gradient(gold.dq, gather(og.g.dq).data(), s.D, gold.row_empty, dtype);
-  r.dk = compare_gradient(gold.dk, gather(og.g.dk).data(), s.D, gold.key_unseen, dtype);
-  r.dv = compare_gradient(gold.dv, gather(og.g.dv).data(), s.Dv, gold.key_unseen, dtype);
+  r.dq = compare_gradient(gold.dq, gather(g.dq).data(), p.head_dim(), gold.row_empty, dtype);
+  r.dk = compare_gradient(gold.dk, gather(g.dk).data(), p.head_dim(), gold.key_unseen, dtype);
+  r.dv = compare_gradient(gold.dv, gather(g.dv).data(), p.head_dim_v(), gold.key_unseen, dtype);
   return r;
 }
 

@@ -13,11 +13,12 @@
 #include "flashref/cpu/backward.hpp"
 
 using flashref::causal_mode;
+using flashref::problem_data;
 using flashref::cpu::isa;
+using flashref::test::add_upstream_gradient;
 using flashref::test::check_backward_against_naive;
-using flashref::test::owned_gradients;
-using flashref::test::owned_problem;
 using flashref::test::problem_shape;
+using flashref::test::random_problem;
 
 namespace {
 
@@ -35,13 +36,17 @@ void run_and_check(const problem_shape& s, std::uint64_t seed, std::int64_t tq =
                    std::int64_t tk = 0, double score_offset = 0.0) {
   for (isa i : flashref::cpu::supported_isas()) {
     CAPTURE(s.describe(), seed, flashref::cpu::to_string(i), tq, tk, score_offset);
-    owned_problem op(s, seed);
-    flashref::test::offset_scores(op, score_offset);
-    flashref::cpu::attention(op.p, with_isa(i));
-    owned_gradients og(op, seed);
-    flashref::cpu::attention_backward(op.p, og.g, with_isa(i, tq, tk));
-    FLASHREF_REQUIRE_GRADIENTS_CONFORM(check_backward_against_naive(op, og));
+    problem_data d = random_problem(s, seed);
+    flashref::test::offset_scores(d, score_offset);
+    flashref::cpu::attention(d.problem(), with_isa(i));
+    add_upstream_gradient(d, seed);
+    flashref::cpu::attention_backward(d.problem(), d.gradients(), with_isa(i, tq, tk));
+    FLASHREF_REQUIRE_GRADIENTS_CONFORM(check_backward_against_naive(d));
   }
+}
+
+std::vector<float> as_vector(const xt::xtensor<float, 4>& x) {
+  return {x.begin(), x.end()};
 }
 
 bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
@@ -157,23 +162,24 @@ TEST_CASE("cpu backward: bitwise identical on 1, 2, 3 and 7 threads",
   s.Lq = GENERATE(5, 300), s.Lk = 1000;
   for (isa i : flashref::cpu::supported_isas()) {
     CAPTURE(s.describe(), flashref::cpu::to_string(i));
-    owned_problem op(s, 40);
-    flashref::cpu::attention(op.p, with_isa(i));
+    problem_data d = random_problem(s, 40);
+    flashref::cpu::attention(d.problem(), with_isa(i));
     std::vector<float> dq, dk, dv;
     for (int threads : {1, 2, 3, 7, 1}) {
       CAPTURE(threads);
-      owned_gradients og(op, 40);
+      add_upstream_gradient(d, 40);
       flashref::cpu::options opt = with_isa(i);
       opt.threads = threads;
-      REQUIRE(flashref::cpu::make_backward_plan(op.p, opt).chunks > 1);  // dQ summed over chunks
-      flashref::cpu::attention_backward(op.p, og.g, opt);
+      REQUIRE(flashref::cpu::make_backward_plan(d.problem(), opt).chunks >
+              1);  // dQ summed over chunks
+      flashref::cpu::attention_backward(d.problem(), d.gradients(), opt);
       if (dq.empty()) {
-        FLASHREF_REQUIRE_GRADIENTS_CONFORM(check_backward_against_naive(op, og));
-        dq = og.dq, dk = og.dk, dv = og.dv;
+        FLASHREF_REQUIRE_GRADIENTS_CONFORM(check_backward_against_naive(d));
+        dq = as_vector(d.dq), dk = as_vector(d.dk), dv = as_vector(d.dv);
       } else {
-        REQUIRE(same_bits(og.dq, dq));
-        REQUIRE(same_bits(og.dk, dk));
-        REQUIRE(same_bits(og.dv, dv));
+        REQUIRE(same_bits(as_vector(d.dq), dq));
+        REQUIRE(same_bits(as_vector(d.dk), dk));
+        REQUIRE(same_bits(as_vector(d.dv), dv));
       }
     }
   }
@@ -184,17 +190,18 @@ TEST_CASE("cpu backward: results do not depend on the tile sizes beyond rounding
   problem_shape s;
   s.B = 1, s.Hq = 2, s.Lq = 141, s.Lk = 267, s.D = 24, s.Dv = 24, s.block_q = 5, s.block_k = 13;
   s.causal = causal_mode::bottom_right;
-  owned_problem op(s, 41);
-  flashref::cpu::attention(op.p);
-  owned_gradients a(op, 41), b(op, 41);
-  flashref::cpu::attention_backward(op.p, a.g, with_isa(isa::automatic, 1, 1));
-  flashref::cpu::attention_backward(op.p, b.g, with_isa(isa::automatic, 128, 96));
+  problem_data a = random_problem(s, 41);
+  flashref::cpu::attention(a.problem());
+  add_upstream_gradient(a, 41);
+  problem_data b = a;
+  flashref::cpu::attention_backward(a.problem(), a.gradients(), with_isa(isa::automatic, 1, 1));
+  flashref::cpu::attention_backward(b.problem(), b.gradients(), with_isa(isa::automatic, 128, 96));
   for (std::size_t n = 0; n < a.dq.size(); ++n)
-    REQUIRE(a.dq[n] == Approx(b.dq[n]).margin(1e-5));
+    REQUIRE(a.dq.data()[n] == Approx(b.dq.data()[n]).margin(1e-5));
   for (std::size_t n = 0; n < a.dk.size(); ++n)
-    REQUIRE(a.dk[n] == Approx(b.dk[n]).margin(1e-5));
+    REQUIRE(a.dk.data()[n] == Approx(b.dk.data()[n]).margin(1e-5));
   for (std::size_t n = 0; n < a.dv.size(); ++n)
-    REQUIRE(a.dv[n] == Approx(b.dv[n]).margin(1e-5));
+    REQUIRE(a.dv.data()[n] == Approx(b.dv.data()[n]).margin(1e-5));
 }
 
 TEST_CASE("cpu backward: a NaN query row feeds only the keys it sees", "[cpu][backward]") {
@@ -202,35 +209,34 @@ TEST_CASE("cpu backward: a NaN query row feeds only the keys it sees", "[cpu][ba
   s.Lq = 40, s.Lk = 40, s.D = 8, s.Dv = 8, s.causal = causal_mode::bottom_right;
   for (isa i : flashref::cpu::supported_isas()) {
     CAPTURE(flashref::cpu::to_string(i));
-    owned_problem op(s, 42);
-    op.q[5 * 8] = NAN;  // row 5 sees keys 0..5
-    flashref::cpu::attention(op.p, with_isa(i));
-    owned_gradients og(op, 42);
-    flashref::cpu::attention_backward(op.p, og.g, with_isa(i, 16, 16));
+    problem_data d = random_problem(s, 42);
+    d.q.data()[5 * 8] = NAN;  // row 5 sees keys 0..5
+    flashref::cpu::attention(d.problem(), with_isa(i));
+    add_upstream_gradient(d, 42);
+    flashref::cpu::attention_backward(d.problem(), d.gradients(), with_isa(i, 16, 16));
     for (std::int64_t j = 0; j < s.Lk; ++j) {
       CAPTURE(j);
-      REQUIRE(std::isnan(og.dv[std::size_t(j * 8)]) == (j <= 5));
+      REQUIRE(std::isnan(d.dv.data()[std::size_t(j * 8)]) == (j <= 5));
     }
     for (std::int64_t r = 0; r < s.Lq; ++r) {
       CAPTURE(r);
-      // dQ_r reads dK-side values only through keys; a NaN row's keys poison the rows that share
-      // them only through dS_rj, which is row-local: other rows stay finite.
-      REQUIRE(std::isnan(og.dq[std::size_t(r * 8)]) == (r == 5));
+      // dQ_r = scale Σ_j dS_rj K_j and only row 5's dS is NaN.
+      REQUIRE(std::isnan(d.dq.data()[std::size_t(r * 8)]) == (r == 5));
     }
   }
 }
 
 TEST_CASE("cpu backward: options and tensors are validated", "[cpu][backward]") {
   problem_shape s;
-  owned_problem op(s, 43);
-  flashref::cpu::attention(op.p);
-  owned_gradients og(op, 43);
-  og.g.dq.shape[3] = 5;
-  REQUIRE_THROWS_WITH(flashref::cpu::attention_backward(op.p, og.g),
+  problem_data d = random_problem(s, 43);
+  flashref::cpu::attention(d.problem());
+  add_upstream_gradient(d, 43);
+  flashref::attention_gradients g = d.gradients();
+  g.dq.shape[3] = 5;
+  REQUIRE_THROWS_WITH(flashref::cpu::attention_backward(d.problem(), g),
                       "dq: expected shape [1, 1, 8, 4], got [1, 1, 8, 5]");
-  owned_gradients og2(op, 43);
   flashref::cpu::options opt;
   opt.tile_q = -1;
-  REQUIRE_THROWS_WITH(flashref::cpu::attention_backward(op.p, og2.g, opt),
+  REQUIRE_THROWS_WITH(flashref::cpu::attention_backward(d.problem(), d.gradients(), opt),
                       Catch::Contains("tile_q: expected"));
 }

@@ -10,10 +10,11 @@
 #include "flashref/reference/tiled.hpp"
 
 using flashref::causal_mode;
+using flashref::problem_data;
+using flashref::test::add_upstream_gradient;
 using flashref::test::check_backward_against_naive;
-using flashref::test::owned_gradients;
-using flashref::test::owned_problem;
 using flashref::test::problem_shape;
+using flashref::test::random_problem;
 
 namespace {
 
@@ -22,43 +23,45 @@ namespace {
 void run_and_check(const problem_shape& s, std::uint64_t seed,
                    flashref::reference::tile_shape tile = {}, double score_offset = 0.0) {
   CAPTURE(s.describe(), score_offset, seed, tile.q, tile.k);
-  owned_problem op(s, seed);
-  flashref::test::offset_scores(op, score_offset);
-  flashref::reference::tiled_attention(op.p);
-  owned_gradients og(op, seed);
-  flashref::reference::tiled_attention_backward(op.p, og.g, tile);
-  FLASHREF_REQUIRE_GRADIENTS_CONFORM(check_backward_against_naive(op, og));
+  problem_data d = random_problem(s, seed);
+  flashref::test::offset_scores(d, score_offset);
+  flashref::reference::tiled_attention(d.problem());
+  add_upstream_gradient(d, seed);
+  flashref::reference::tiled_attention_backward(d.problem(), d.gradients(), tile);
+  FLASHREF_REQUIRE_GRADIENTS_CONFORM(check_backward_against_naive(d));
 }
 
 // f = Σ O ∘ dO in float64 from the naive forward.
-double loss(const owned_problem& op, const flashref::strided<const float, 4>& d_o) {
-  const flashref::reference::golden g = flashref::reference::naive_attention(op.p);
+double loss(problem_data& d) {
+  const flashref::reference::golden g = flashref::reference::naive_attention(d.inputs());
+  const flashref::strided<const float, 4> d_o = d.gradients().d_o;
   double f = 0.0;
-  const auto& s = op.shape;
-  for (std::int64_t b = 0; b < s.B; ++b)
-    for (std::int64_t h = 0; h < s.Hq; ++h)
-      for (std::int64_t i = 0; i < s.Lq; ++i)
-        for (std::int64_t d = 0; d < s.Dv; ++d)
-          f += g.o[std::size_t(((b * s.Hq + h) * s.Lq + i) * s.Dv + d)] * double(d_o(b, h, i, d));
+  std::size_t n = 0;
+  for (std::int64_t b = 0; b < d_o.shape[0]; ++b)
+    for (std::int64_t h = 0; h < d_o.shape[1]; ++h)
+      for (std::int64_t i = 0; i < d_o.shape[2]; ++i)
+        for (std::int64_t x = 0; x < d_o.shape[3]; ++x)
+          f += g.o[n++] * double(d_o(b, h, i, x));
   return f;
 }
 
 // Central differences of the float64 forward against the golden gradient of one input
 // (row-major storage, the problem's views point into it). The step is a power of two, so
 // x ± h is exact in float32 for the |x| < 2^10 used here.
-void check_finite_differences(owned_problem& op, const owned_gradients& og, std::vector<float>& x,
+void check_finite_differences(problem_data& d, xt::xtensor<float, 4>& x,
                               const std::vector<double>& grad, const char* name) {
   constexpr double kStep = 0x1p-10;
   double max_grad = 0.0;
   for (double gval : grad)
     max_grad = std::max(max_grad, std::abs(gval));
   for (std::size_t n = 0; n < x.size(); ++n) {
-    const float x0 = x[n];
-    x[n] = float(double(x0) + kStep);
-    const double up = loss(op, og.g.d_o);
-    x[n] = float(double(x0) - kStep);
-    const double down = loss(op, og.g.d_o);
-    x[n] = x0;
+    float& at = x.data()[n];
+    const float x0 = at;
+    at = float(double(x0) + kStep);
+    const double up = loss(d);
+    at = float(double(x0) - kStep);
+    const double down = loss(d);
+    at = x0;
     const double fd = (up - down) / (2.0 * kStep);
     CAPTURE(name, n, fd, grad[n]);
     // Truncation error of a central difference is O(h^2 f'''): ~1e-6 at these magnitudes.
@@ -95,10 +98,10 @@ TEST_CASE("golden backward: finite differences of the float64 forward", "[backwa
     s.blhd = true, s.causal = causal_mode::top_left;
   }
   CAPTURE(s.describe());
-  owned_problem op(s, 21);
-  owned_gradients og(op, 21);
+  problem_data d = random_problem(s, 21);
+  add_upstream_gradient(d, 21);
   const flashref::reference::golden_gradients gold =
-      flashref::reference::naive_attention_backward(op.p, og.g.d_o);
+      flashref::reference::naive_attention_backward(d.problem(), d.gradients().d_o);
   // The views of a [B, L, H, D] problem are not row-major: perturb storage, map gradients.
   auto storage_order = [&](const std::vector<double>& grad, std::int64_t H, std::int64_t L,
                            std::int64_t X) {
@@ -107,37 +110,37 @@ TEST_CASE("golden backward: finite differences of the float64 forward", "[backwa
     for (std::int64_t b = 0; b < s.B; ++b)
       for (std::int64_t h = 0; h < H; ++h)
         for (std::int64_t i = 0; i < L; ++i)
-          for (std::int64_t d = 0; d < X; ++d)
-            out[std::size_t(((b * L + i) * H + h) * X + d)] =
-                grad[std::size_t(((b * H + h) * L + i) * X + d)];
+          for (std::int64_t x = 0; x < X; ++x)
+            out[std::size_t(((b * L + i) * H + h) * X + x)] =
+                grad[std::size_t(((b * H + h) * L + i) * X + x)];
     return out;
   };
-  check_finite_differences(op, og, op.q, storage_order(gold.dq, s.Hq, s.Lq, s.D), "dq");
-  check_finite_differences(op, og, op.k, storage_order(gold.dk, s.Hk, s.Lk, s.D), "dk");
-  check_finite_differences(op, og, op.v, storage_order(gold.dv, s.Hk, s.Lk, s.Dv), "dv");
+  check_finite_differences(d, d.q, storage_order(gold.dq, s.Hq, s.Lq, s.D), "dq");
+  check_finite_differences(d, d.k, storage_order(gold.dk, s.Hk, s.Lk, s.D), "dk");
+  check_finite_differences(d, d.v, storage_order(gold.dv, s.Hk, s.Lk, s.Dv), "dv");
 }
 
 TEST_CASE("golden backward: empty rows and unseen keys are exactly zero", "[backward]") {
   problem_shape s;
   s.B = 2, s.Lq = 9, s.Lk = 4, s.causal = causal_mode::bottom_right, s.use_kv_len = true;
-  owned_problem op(s, 22);
-  owned_gradients og(op, 22);
-  const auto gold = flashref::reference::naive_attention_backward(op.p, og.g.d_o);
+  problem_data d = random_problem(s, 22);
+  add_upstream_gradient(d, 22);
+  const auto gold = flashref::reference::naive_attention_backward(d.problem(), d.gradients().d_o);
   // Batch entry 0 has kv_len = 0: every row empty, every key unseen.
   std::int64_t empty = 0, unseen = 0;
   for (std::size_t r = 0; r < gold.row_empty.size(); ++r) {
     if (!gold.row_empty[r]) continue;
     ++empty;
-    for (std::int64_t d = 0; d < s.D; ++d)
-      REQUIRE(gold.dq[r * std::size_t(s.D) + std::size_t(d)] == 0.0);
+    for (std::int64_t x = 0; x < s.D; ++x)
+      REQUIRE(gold.dq[r * std::size_t(s.D) + std::size_t(x)] == 0.0);
   }
   for (std::size_t j = 0; j < gold.key_unseen.size(); ++j) {
     if (!gold.key_unseen[j]) continue;
     ++unseen;
-    for (std::int64_t d = 0; d < s.D; ++d)
-      REQUIRE(gold.dk[j * std::size_t(s.D) + std::size_t(d)] == 0.0);
-    for (std::int64_t d = 0; d < s.Dv; ++d)
-      REQUIRE(gold.dv[j * std::size_t(s.Dv) + std::size_t(d)] == 0.0);
+    for (std::int64_t x = 0; x < s.D; ++x)
+      REQUIRE(gold.dk[j * std::size_t(s.D) + std::size_t(x)] == 0.0);
+    for (std::int64_t x = 0; x < s.Dv; ++x)
+      REQUIRE(gold.dv[j * std::size_t(s.Dv) + std::size_t(x)] == 0.0);
   }
   REQUIRE(empty >= s.Lq + (s.Lq - s.Lk));  // all of batch 0, the top rows of batch 1
   REQUIRE(unseen >= s.Lk);
@@ -224,55 +227,56 @@ TEST_CASE("tiled backward: results do not depend on its tile sizes", "[backward]
   problem_shape s;
   s.B = 1, s.Hq = 2, s.Lq = 41, s.Lk = 67, s.D = 8, s.Dv = 8, s.block_q = 5, s.block_k = 13;
   s.causal = causal_mode::bottom_right;
-  owned_problem op(s, 11);
-  flashref::reference::tiled_attention(op.p);
-  owned_gradients a(op, 11), b(op, 11);
-  flashref::reference::tiled_attention_backward(op.p, a.g, {1, 1});
-  flashref::reference::tiled_attention_backward(op.p, b.g, {64, 64});
+  problem_data a = random_problem(s, 11);
+  flashref::reference::tiled_attention(a.problem());
+  add_upstream_gradient(a, 11);
+  problem_data b = a;
+  flashref::reference::tiled_attention_backward(a.problem(), a.gradients(), {1, 1});
+  flashref::reference::tiled_attention_backward(b.problem(), b.gradients(), {64, 64});
   for (std::size_t n = 0; n < a.dq.size(); ++n)
-    REQUIRE(a.dq[n] == Approx(b.dq[n]).margin(1e-6));
+    REQUIRE(a.dq.data()[n] == Approx(b.dq.data()[n]).margin(1e-6));
   for (std::size_t n = 0; n < a.dk.size(); ++n)
-    REQUIRE(a.dk[n] == Approx(b.dk[n]).margin(1e-6));
+    REQUIRE(a.dk.data()[n] == Approx(b.dk.data()[n]).margin(1e-6));
   for (std::size_t n = 0; n < a.dv.size(); ++n)
-    REQUIRE(a.dv[n] == Approx(b.dv[n]).margin(1e-6));
+    REQUIRE(a.dv.data()[n] == Approx(b.dv.data()[n]).margin(1e-6));
 }
 
 TEST_CASE("tiled backward: a wrong dQ, an empty row's dQ or an unseen key's dK is caught",
           "[backward]") {
   problem_shape s;
   s.Lq = 10, s.Lk = 6, s.causal = causal_mode::bottom_right;
-  owned_problem op(s, 13);
-  flashref::reference::tiled_attention(op.p);
-  owned_gradients og(op, 13);
-  flashref::reference::tiled_attention_backward(op.p, og.g);
-  REQUIRE(check_backward_against_naive(op, og).pass());
+  problem_data d = random_problem(s, 13);
+  flashref::reference::tiled_attention(d.problem());
+  add_upstream_gradient(d, 13);
+  flashref::reference::tiled_attention_backward(d.problem(), d.gradients());
+  REQUIRE(check_backward_against_naive(d).pass());
   SECTION("a finite error in a visible row") {
-    og.dq[9 * 4] += 1e-2f;
-    const auto r = check_backward_against_naive(op, og);
+    d.dq.data()[9 * 4] += 1e-2f;
+    const auto r = check_backward_against_naive(d);
     REQUIRE(r.dq.bad_elements == 1);
     REQUIRE(r.dk.pass());
   }
   SECTION("NaN in an empty row (unguarded exp(-inf - (-inf)))") {
-    og.dq[0] = NAN;  // row 0 is empty: Lq - Lk = 4 top rows see nothing
-    const auto r = check_backward_against_naive(op, og);
+    d.dq.data()[0] = NAN;  // row 0 is empty: Lq - Lk = 4 top rows see nothing
+    const auto r = check_backward_against_naive(d);
     REQUIRE(r.dq.zero_rows == 4);
     REQUIRE(r.dq.zero_rows_nan == 1);
   }
   SECTION("a non-zero dQ in an empty row") {
-    og.dq[1] = 1e-30f;
-    REQUIRE(check_backward_against_naive(op, og).dq.zero_rows_nonzero == 1);
+    d.dq.data()[1] = 1e-30f;
+    REQUIRE(check_backward_against_naive(d).dq.zero_rows_nonzero == 1);
   }
   SECTION("an empty row's contribution to dK of a key it cannot see") {
     problem_shape t = s;
     t.Lq = 3, t.Lk = 8;
     t.causal = causal_mode::top_left;  // row i sees keys j <= i: keys 3..7 are seen by no row
-    owned_problem op2(t, 14);
-    flashref::reference::tiled_attention(op2.p);
-    owned_gradients og2(op2, 14);
-    flashref::reference::tiled_attention_backward(op2.p, og2.g);
-    REQUIRE(check_backward_against_naive(op2, og2).pass());
-    og2.dk[7 * 4 + 2] = 1e-20f;
-    const auto r = check_backward_against_naive(op2, og2);
+    problem_data e = random_problem(t, 14);
+    flashref::reference::tiled_attention(e.problem());
+    add_upstream_gradient(e, 14);
+    flashref::reference::tiled_attention_backward(e.problem(), e.gradients());
+    REQUIRE(check_backward_against_naive(e).pass());
+    e.dk.data()[7 * 4 + 2] = 1e-20f;
+    const auto r = check_backward_against_naive(e);
     REQUIRE(r.dk.zero_rows == 5);
     REQUIRE(r.dk.zero_rows_nonzero == 1);
   }
@@ -280,13 +284,14 @@ TEST_CASE("tiled backward: a wrong dQ, an empty row's dQ or an unseen key's dK i
 
 TEST_CASE("backward: validation names the field", "[backward]") {
   problem_shape s;
-  owned_problem op(s, 15);
-  owned_gradients og(op, 15);
-  og.g.dk.shape[2] = 7;
-  REQUIRE_THROWS_WITH(flashref::reference::tiled_attention_backward(op.p, og.g),
+  problem_data d = random_problem(s, 15);
+  add_upstream_gradient(d, 15);
+  flashref::attention_gradients g = d.gradients();
+  g.dk.shape[2] = 7;
+  REQUIRE_THROWS_WITH(flashref::reference::tiled_attention_backward(d.problem(), g),
                       "dk: expected shape [1, 1, 8, 4], got [1, 1, 7, 4]");
-  owned_gradients og2(op, 15);
-  op.p.lse.data = nullptr;
-  REQUIRE_THROWS_WITH(flashref::reference::tiled_attention_backward(op.p, og2.g),
+  flashref::attention_problem p = d.problem();
+  p.lse.data = nullptr;
+  REQUIRE_THROWS_WITH(flashref::reference::tiled_attention_backward(p, d.gradients()),
                       Catch::Contains("lse: expected the forward's LSE"));
 }
