@@ -5,7 +5,9 @@
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "commands.hpp"
@@ -24,18 +26,36 @@ struct run_options {
   std::string problem;
   std::string out;
   std::string backend = "automatic";
+  bool backward = false;  // also /dq, /dk, /dv from /inputs/do
 };
+
+std::string shape_str(const xt::xtensor<float, 4>& x) {
+  return "[" + std::to_string(x.shape(0)) + ", " + std::to_string(x.shape(1)) + ", " +
+         std::to_string(x.shape(2)) + ", " + std::to_string(x.shape(3)) + "]";
+}
 
 int run_problem(const run_options& opt) {
   const backend chosen = resolve(parse_backend(opt.backend));  // bad backend: before any I/O
   problem_data in = testdata::read_problem(opt.problem);
+  if (opt.backward && in.d_o.size() == 0 && in.q.shape(2) * in.v.shape(3) * in.q.shape(0) > 0)
+    throw problem_error(opt.problem +
+                        ": /inputs/do: expected the upstream gradient for --backward, got nothing");
   const backend used = attention(in.problem(), chosen);
+  std::string used_names = to_string(used);
+  if (opt.backward) {
+    const backend used_bwd = attention_backward(in.problem(), in.gradients(), chosen);
+    if (used_bwd != used) used_names += std::string(" (backward ") + to_string(used_bwd) + ")";
+  }
   const auto& o = in.o;
   const auto& lse = in.lse;
-  testdata::write_result(opt.out, o, lse, to_string(used));
-  std::printf("%s: wrote /o [%zu, %zu, %zu, %zu] and /lse [%zu, %zu, %zu] (float32, backend %s)\n",
-              opt.out.c_str(), o.shape(0), o.shape(1), o.shape(2), o.shape(3), lse.shape(0),
-              lse.shape(1), lse.shape(2), to_string(used));
+  testdata::write_result(opt.out, in, used_names, opt.backward);
+  std::printf("%s: wrote /o %s and /lse [%zu, %zu, %zu]", opt.out.c_str(), shape_str(o).c_str(),
+              lse.shape(0), lse.shape(1), lse.shape(2));
+  if (opt.backward) {
+    std::printf(", /dq %s, /dk %s, /dv %s", shape_str(in.dq).c_str(), shape_str(in.dk).c_str(),
+                shape_str(in.dv).c_str());
+  }
+  std::printf(" (float32, backend %s)\n", used_names.c_str());
   return 0;
 }
 
@@ -48,6 +68,18 @@ struct check_options {
 
 enum class verdict { pass, fail, error };
 
+// The backward's gradients judged for one row: each present tensor (SPEC §9).
+struct gradient_verdicts {
+  std::optional<gradient_report> dq, dk, dv;
+  std::string judged() const {
+    std::string s;
+    for (auto [name, r] : {std::pair{"dq", &dq}, {"dk", &dk}, {"dv", &dv}})
+      if (r->has_value()) s += std::string(s.empty() ? "" : ",") + name;
+    return s.empty() ? "-" : s;
+  }
+  bool pass() const { return (!dq || dq->pass()) && (!dk || dk->pass()) && (!dv || dv->pass()); }
+};
+
 struct check_row {
   std::string fixture;  // file name without .h5
   std::string judged;   // the backend, or "candidate"
@@ -55,7 +87,25 @@ struct check_row {
   conformance_report rep;
   verdict v = verdict::error;
   std::string message;  // why FAIL or ERROR
+  gradient_verdicts grads;
 };
+
+// How a gradient failed, in the terms of SPEC §9: where an empty row (or a key no row sees)
+// went wrong — NaN, a non-zero dQ, a non-zero dK/dV contribution — and values out of tolerance.
+std::string why_gradient_failed(const char* name, const gradient_report& r, bool is_dq) {
+  std::string s;
+  auto add = [&](std::int64_t n, const std::string& what) {
+    if (n > 0) s += (s.empty() ? "" : ", ") + std::to_string(n) + " " + what;
+  };
+  const std::string zero_rows = is_dq ? "empty rows" : "keys no row sees";
+  add(r.zero_rows_nan, zero_rows + " with a NaN gradient");
+  add(r.zero_rows_nonzero, is_dq ? std::string("empty rows with a non-zero dQ")
+                                 : "keys no row sees with a non-zero " + std::string(name) +
+                                       " (an empty row's contribution)");
+  add(r.nonfinite, "NaN/inf values");
+  add(r.bad_elements, "values outside tolerance");
+  return s.empty() ? s : std::string(name) + ": " + s;
+}
 
 std::string why_failed(const conformance_report& r) {
   std::string s;
@@ -83,11 +133,41 @@ std::string why_failed(const conformance_report& r) {
   return s;
 }
 
+// The gradients present (as row-major (B, H, L, X) values) against the fixture's golden ones.
+struct gradients_in {
+  const float* dq = nullptr;
+  const float* dk = nullptr;
+  const float* dv = nullptr;
+};
+
 template <class T>
-void judge(check_row& row, const testdata::fixture& fx, const T* o, const T* lse) {
+void judge(check_row& row, const testdata::fixture& fx, const T* o, const T* lse,
+           const gradients_in& g = {}) {
   row.rep = compare(fx.golden, o, lse, fx.tol);
-  row.v = row.rep.pass() ? verdict::pass : verdict::fail;
-  if (row.v == verdict::fail || !row.rep.lse_judged) row.message = why_failed(row.rep);
+  if (fx.grads) {
+    const reference::golden_gradients& gold = *fx.grads;
+    const input_dtype dt = fx.in.opt.dtype;
+    const std::int64_t D = gold.q_shape[3], Dv = gold.v_shape[3];
+    if (g.dq) row.grads.dq = compare_gradient(gold.dq, g.dq, D, gold.row_empty, dt);
+    if (g.dk) row.grads.dk = compare_gradient(gold.dk, g.dk, D, gold.key_unseen, dt);
+    if (g.dv) row.grads.dv = compare_gradient(gold.dv, g.dv, Dv, gold.key_unseen, dt);
+  }
+  row.v = row.rep.pass() && row.grads.pass() ? verdict::pass : verdict::fail;
+  if (!row.rep.pass() || !row.rep.lse_judged) row.message = why_failed(row.rep);
+  for (auto [name, r] :
+       {std::pair{"dq", &row.grads.dq}, {"dk", &row.grads.dk}, {"dv", &row.grads.dv}}) {
+    if (!r->has_value() || (*r)->pass()) continue;
+    const std::string why = why_gradient_failed(name, **r, name[1] == 'q');
+    row.message += (row.message.empty() ? "" : "; ") + why;
+  }
+}
+
+std::vector<float> as_floats(const std::optional<xt::xtensor<double, 4>>& x) {
+  return x ? std::vector<float>(x->begin(), x->end()) : std::vector<float>{};
+}
+
+std::vector<float> row_major(const xt::xtensor<float, 4>& x) {
+  return {x.begin(), x.end()};
 }
 
 std::vector<fs::path> fixtures_in(const fs::path& target) {
@@ -107,21 +187,21 @@ std::vector<fs::path> fixtures_in(const fs::path& target) {
 }
 
 void print_table(const std::vector<check_row>& rows) {
-  std::printf("%-26s %-12s %-8s %10s %10s %10s %8s %9s  %s\n", "case", "judged", "dtype",
-              "max|err|", "max rel", "max lse", "NaN rows", "empty ok", "verdict");
+  std::printf("%-26s %-12s %-8s %10s %10s %10s %8s %9s %-9s  %s\n", "case", "judged", "dtype",
+              "max|err|", "max rel", "max lse", "NaN rows", "empty ok", "gradients", "verdict");
   for (const check_row& r : rows) {
     if (r.v == verdict::error) {
-      std::printf("%-26s %-12s %-8s %10s %10s %10s %8s %9s  ERROR\n", r.fixture.c_str(),
-                  r.judged.c_str(), r.dtype.c_str(), "-", "-", "-", "-", "-");
+      std::printf("%-26s %-12s %-8s %10s %10s %10s %8s %9s %-9s  ERROR\n", r.fixture.c_str(),
+                  r.judged.c_str(), r.dtype.c_str(), "-", "-", "-", "-", "-", "-");
       continue;
     }
     const std::string empty = std::to_string(r.rep.empty_rows - r.rep.empty_rows_bad) + "/" +
                               std::to_string(r.rep.empty_rows);
-    std::printf("%-26s %-12s %-8s %10.3e %10.3e %10.3e %8lld %9s  %s%s%s\n", r.fixture.c_str(),
+    std::printf("%-26s %-12s %-8s %10.3e %10.3e %10.3e %8lld %9s %-9s  %s%s%s\n", r.fixture.c_str(),
                 r.judged.c_str(), r.dtype.c_str(), r.rep.max_abs_err, r.rep.max_rel_err,
                 r.rep.max_lse_err, (long long)r.rep.nan_rows, empty.c_str(),
-                r.v == verdict::pass ? "PASS" : "FAIL", r.message.empty() ? "" : ": ",
-                r.message.c_str());
+                r.grads.judged().c_str(), r.v == verdict::pass ? "PASS" : "FAIL",
+                r.message.empty() ? "" : ": ", r.message.c_str());
   }
 }
 
@@ -156,6 +236,7 @@ std::string rows_json(const std::vector<check_row>& rows) {
            ", \"max_rel_err\": " + json_number(c.max_rel_err) +
            ", \"max_lse_err\": " + json_number(c.max_lse_err) +
            ", \"lse_judged\": " + (c.lse_judged ? "true" : "false") +
+           ", \"gradients_judged\": " + json_string(r.grads.judged()) +
            ", \"rows\": " + std::to_string(c.rows) +
            ", \"nan_rows\": " + std::to_string(c.nan_rows) +
            ", \"bad_elements\": " + std::to_string(c.bad_elements) +
@@ -203,7 +284,7 @@ int run_check(const check_options& opt) {
       fx = testdata::read_fixture(file);
     } catch (const problem_error& e) {
       if (single) throw;  // nothing to tabulate: one line, exit 2
-      rows.push_back({stem, "-", "-", {}, verdict::error, e.what()});
+      rows.push_back({stem, "-", "-", {}, verdict::error, e.what(), {}});
       errors.push_back(e.what());
       continue;
     }
@@ -211,10 +292,13 @@ int run_check(const check_options& opt) {
     if (!opt.candidate.empty()) {
       const fs::path cand =
           candidate_dir ? fs::path(opt.candidate) / name : fs::path(opt.candidate);
-      check_row row{stem, "candidate", dtype, {}, verdict::error, ""};
+      check_row row{stem, "candidate", dtype, {}, verdict::error, "", {}};
       try {
-        const testdata::result r = testdata::read_result(cand, fx.golden);
-        judge(row, fx, r.o.data(), r.has_lse ? r.lse.data() : nullptr);
+        const testdata::result r =
+            testdata::read_result(cand, fx.golden, fx.grads ? &*fx.grads : nullptr);
+        const std::vector<float> dq = as_floats(r.dq), dk = as_floats(r.dk), dv = as_floats(r.dv);
+        judge(row, fx, r.o.data(), r.has_lse ? r.lse.data() : nullptr,
+              {r.dq ? dq.data() : nullptr, r.dk ? dk.data() : nullptr, r.dv ? dv.data() : nullptr});
       } catch (const problem_error& e) {
         row.message = e.what();
         errors.push_back(e.what());
@@ -223,11 +307,21 @@ int run_check(const check_options& opt) {
       continue;
     }
     for (const backend be : chosen) {
-      check_row row{stem, to_string(be), dtype, {}, verdict::error, ""};
+      check_row row{stem, to_string(be), dtype, {}, verdict::error, "", {}};
       try {
         problem_data d = fx.in;
         attention(d.problem(), be);
-        judge(row, fx, d.o.data(), d.lse.data());
+        bool has_backward = false;
+        for (const backend_info& info : backends())
+          has_backward = has_backward || (info.id == be && info.backward);
+        if (fx.grads && has_backward) {  // the backward too, from the forward just run
+          attention_backward(d.problem(), d.gradients(), be);
+          // Gradients stored [B, H, L, X] as in the fixture: row-major already.
+          const std::vector<float> dq = row_major(d.dq), dk = row_major(d.dk), dv = row_major(d.dv);
+          judge(row, fx, d.o.data(), d.lse.data(), {dq.data(), dk.data(), dv.data()});
+        } else {
+          judge(row, fx, d.o.data(), d.lse.data());
+        }
       } catch (const problem_error& e) {  // e.g. a head dim this backend does not support
         row.message = std::string(to_string(be)) + " on " + name + ": " + e.what();
         errors.push_back(row.message);
@@ -256,12 +350,16 @@ int run_check(const check_options& opt) {
 void add_run(CLI::App& app, exit_slot status) {
   auto opt = std::make_shared<run_options>();
   CLI::App* cmd = app.add_subcommand(
-      "run", "Compute /o and /lse (float32) of a problem file and write them atomically");
+      "run",
+      "Compute /o and /lse (float32) of a problem file, with --backward also /dq, /dk, /dv, and "
+      "write them atomically");
   cmd->add_option("--problem", opt->problem, "Problem file (the fixture layout, /golden optional)")
       ->required();
   cmd->add_option("--out", opt->out, "Result file to write")->required();
   cmd->add_option("--backend", opt->backend, "reference, cpu, cuda or automatic")
       ->capture_default_str();
+  cmd->add_flag("--backward", opt->backward,
+                "Also the backward pass: needs /inputs/do, writes /dq, /dk, /dv (float32)");
   cmd->callback([opt, status] { *status = run_problem(*opt); });
 }
 
