@@ -7,6 +7,11 @@ output as a candidate result file in the documented layout (/o, and /lse where t
 implementation exposes it), judges it with `flashref check --candidate --json`, and writes a
 Markdown table (per implementation and case: pass, or how it fails) plus the raw verdicts.
 
+The backward (SPEC §9): on every fixture with /inputs/do, PyTorch autograd through the SDPA
+backends (each where it accepts the case) and FlexAttention (eager and compiled) gives
+dQ, dK, dV of sum(O * dO); they are written as /dq, /dk, /dv beside /o and judged the same
+way, in a second table.
+
 usage: conformance_report.py --flashref BIN --fixtures DIR --out DIR [--markdown FILE]
 """
 import argparse
@@ -182,6 +187,102 @@ def sdpa_cpu(c):
     return out[0], out[1]
 
 
+# ---- the backward: autograd through the public entry points ----------------------------------
+
+
+def has_backward(path):
+    with h5py.File(path, "r") as f:
+        return "inputs/do" in f and "golden/dq" in f
+
+
+def load_do(path):
+    with h5py.File(path, "r") as f:
+        return f["inputs/do"][...].astype(np.float32)
+
+
+def leaf_tensors(c, device, dtype):
+    q, k, v = tensors(c, device, dtype)
+    return [t.detach().requires_grad_(True) for t in (q, k, v)]
+
+
+def autograd(c, d_o, forward, device, dtype):
+    """dQ, dK, dV of sum(O * dO) through `forward(q, k, v) -> O`; GQA by repeat_interleave inside
+    the graph, so dK, dV come back summed over each group as SPEC §9 defines them."""
+    q, k, v = leaf_tensors(c, device, dtype)
+    o = forward(q, expand_kv(c, k), expand_kv(c, v))
+    do = torch.from_numpy(d_o).to(device=device, dtype=o.dtype)
+    (o * do).sum().backward()
+    return o, None, q.grad, k.grad, v.grad
+
+
+def sdpa_backend_grad(backend_name, precision):
+    def run(c, d_o):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = getattr(SDPBackend, backend_name)
+        dtype = torch.float32 if precision == "fp32" else half_dtype(c)
+        if backend_name == "FLASH_ATTENTION":
+            causal = causal_flag(c)
+            mask = None
+        else:
+            causal = False
+            mask = None if c["unmasked"] else torch.from_numpy(c["vis"]).cuda()
+
+        def forward(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal,
+                                                      scale=c["scale"])
+        return autograd(c, d_o, forward, "cuda", dtype)
+    return run
+
+
+def flex_grad(compiled):
+    def run(c, d_o):
+        global _flex_compiled
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        fn = flex_attention
+        if compiled:
+            if _flex_compiled is None:
+                _flex_compiled = torch.compile(flex_attention)
+            fn = _flex_compiled
+        vis = torch.from_numpy(c["vis"]).cuda()
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return vis[b, h, q_idx, kv_idx]
+
+        bm = create_block_mask(mask_mod, c["B"], c["Hq"], c["Lq"], c["Lk"], device="cuda",
+                               _compile=compiled)
+        q, k, v = leaf_tensors(c, "cuda", torch.float32)
+        o, lse = fn(q, k, v, block_mask=bm, scale=c["scale"], enable_gqa=c["Hq"] != c["Hk"],
+                    return_lse=True)
+        (o * torch.from_numpy(d_o).cuda()).sum().backward()
+        return o, lse, q.grad, k.grad, v.grad
+    return run
+
+
+BWD_IMPLS = [
+    ("sdpa-math", "fp32", sdpa_backend_grad("MATH", "fp32"), "autograd, SDPA math backend"),
+    ("sdpa-efficient", "fp32", sdpa_backend_grad("EFFICIENT_ATTENTION", "fp32"),
+     "autograd, SDPA memory-efficient backend"),
+    ("sdpa-flash", "bf16/fp16", sdpa_backend_grad("FLASH_ATTENTION", "half"),
+     "autograd, SDPA flash backend (no mask but causal)"),
+    ("sdpa-cudnn", "bf16/fp16", sdpa_backend_grad("CUDNN_ATTENTION", "half"),
+     "autograd, SDPA cuDNN backend"),
+    ("flex-eager", "fp32", flex_grad(False), "autograd, FlexAttention eager"),
+    ("flex-compiled", "fp32", flex_grad(True), "autograd, FlexAttention torch.compile"),
+]
+
+
+def classify_backward(row, precision):
+    """The gradients' verdict for the table: which tensors were judged and how they fail."""
+    if row["verdict"] == "pass":
+        return "pass (" + row.get("gradients_judged", "-") + ")"
+    msg = row.get("message", "")
+    if precision != "fp32" and row["dtype"] == "float32" and "outside tolerance" in msg \
+            and "NaN" not in msg and "empty" not in msg and "no row sees" not in msg:
+        return f"FAIL: beyond fp32 tolerance (ran in {precision})"
+    return "FAIL: " + msg[:160]
+
+
 IMPLS = [
     ("sdpa-math", "fp32", sdpa_math, "torch SDPA, math backend (CUDA); no LSE exposed"),
     ("sdpa-efficient", "fp32", sdpa_efficient, "torch SDPA, memory-efficient backend (CUDA)"),
@@ -193,13 +294,26 @@ IMPLS = [
 ]
 
 
-def write_candidate(path, o, lse):
+def write_candidate(path, o, lse, grads=None):
     tmp = path + ".tmp"
     with h5py.File(tmp, "w") as f:
         f["o"] = o.detach().float().cpu().numpy()
         if lse is not None:
             f["lse"] = lse.detach().float().cpu().numpy()
+        for name, g in zip(("dq", "dk", "dv"), grads or ()):
+            if g is not None:
+                f[name] = g.detach().float().cpu().numpy()
     os.replace(tmp, path)
+
+
+def judge(flashref, fixture, cand):
+    """flashref check --candidate --json: the verdict row, or an error line."""
+    js = cand + ".json"
+    proc = subprocess.run([flashref, "check", fixture, "--candidate", cand, "--json", js],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if not os.path.exists(js):
+        return None, "check error: " + proc.stdout.strip().splitlines()[-1][:90]
+    return json.load(open(js))[0], None
 
 
 def classify(row, precision):
@@ -233,6 +347,7 @@ def main():
     ap.add_argument("--markdown")
     ap.add_argument("--only", nargs="*", help="implementations to run (default: all)")
     ap.add_argument("--budget-s", type=float, default=240, help="stop starting new work after this")
+    ap.add_argument("--no-backward", action="store_true", help="skip the autograd table")
     ap.add_argument("--ours", nargs="*", default=[],
                     help="our backends to judge alongside (e.g. cpu cuda), as flashref-<name>")
     args = ap.parse_args()
@@ -276,6 +391,43 @@ def main():
             results[name][case] = classify(row, precision if c["dtype"] == "float32" else "fp32")
         print(f"{name}: done ({time.time() - start:.0f} s)", flush=True)
 
+    # The backward: autograd through each implementation on the fixtures that carry /inputs/do.
+    bwd_results = {}
+    if not args.no_backward:
+        for name, precision, fn, _ in BWD_IMPLS:
+            if args.only and name not in args.only:
+                continue
+            bwd_results[name] = {}
+            for case in cases:
+                fixture = os.path.join(args.fixtures, case + ".h5")
+                if not has_backward(fixture):
+                    continue
+                if time.time() - start > args.budget_s:
+                    bwd_results[name][case] = "not run (time budget)"
+                    continue
+                c = load_case(fixture)
+                cand = os.path.join(args.out, "candidates", f"bwd__{name}__{case}.h5")
+                try:
+                    o, lse, dq, dk, dv = fn(c, load_do(fixture))
+                    torch.cuda.synchronize()
+                    write_candidate(cand, o, lse, (dq, dk, dv))
+                except Unsupported as e:
+                    bwd_results[name][case] = f"unsupported: {e}"
+                    continue
+                except Exception as e:
+                    msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                    bwd_results[name][case] = f"unsupported: {type(e).__name__}: {msg[:90]}"
+                    continue
+                row, err = judge(args.flashref, fixture, cand)
+                if err:
+                    bwd_results[name][case] = err
+                    continue
+                row["implementation"] = name + " (backward)"
+                raw.append(row)
+                bwd_results[name][case] = classify_backward(
+                    row, precision if c["dtype"] == "float32" else "fp32")
+            print(f"{name} backward: done ({time.time() - start:.0f} s)", flush=True)
+
     for be in args.ours:  # our own backends, judged by the same rule for comparison
         js = os.path.join(args.out, f"flashref-{be}.json")
         subprocess.run([args.flashref, "check", args.fixtures, "--backend", be, "--json", js],
@@ -288,7 +440,7 @@ def main():
                                 else "unsupported: " + row["message"].split(": ")[-1][:90])
 
     with open(os.path.join(args.out, "conformance.json"), "w") as f:
-        json.dump({"results": results, "rows": raw}, f, indent=1)
+        json.dump({"results": results, "backward": bwd_results, "rows": raw}, f, indent=1)
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
     lines = [
@@ -328,6 +480,36 @@ def main():
         nfail = sum(1 for x in cells if x.startswith("FAIL"))
         summary.append(f"- {n}: {npass} pass, {nfail} fail, {len(cells) - npass - nfail} not run or unsupported")
     lines += ["", "Summary:", ""] + summary + [""]
+    if bwd_results:
+        bwd_cases = sorted({case for col in bwd_results.values() for case in col})
+        lines += [
+            "### The backward pass (SPEC §9)",
+            "",
+            "PyTorch autograd of `sum(O * dO)` through each implementation, on every fixture with",
+            "`/inputs/do`; dQ, dK, dV written as `/dq, /dk, /dv` and judged by `flashref check`",
+            "(each gradient's tolerance, empty rows and keys no row sees exactly 0). GQA/MQA by",
+            "`repeat_interleave` inside the graph (FlexAttention: `enable_gqa`), so dK, dV are",
+            "summed over each group.",
+            "",
+            "| implementation | what |",
+            "| --- | --- |",
+        ]
+        for name, precision, _, what in BWD_IMPLS:
+            if name in bwd_results:
+                lines.append(f"| {name} | {what}; inputs {precision} |")
+        lines += ["", "| case | " + " | ".join(bwd_results) + " |",
+                  "| --- |" + " --- |" * len(bwd_results)]
+        for case in bwd_cases:
+            lines.append(f"| {case} | " +
+                         " | ".join(bwd_results[n].get(case, "") for n in bwd_results) + " |")
+        lines += [""]
+        for n in bwd_results:
+            cells = list(bwd_results[n].values())
+            npass = sum(1 for x in cells if x.startswith("pass"))
+            nfail = sum(1 for x in cells if x.startswith("FAIL"))
+            lines.append(f"- {n} backward: {npass} pass, {nfail} fail, "
+                         f"{len(cells) - npass - nfail} not run or unsupported")
+        lines += [""]
     md = "\n".join(lines)
     with open(os.path.join(args.out, "conformance.md"), "w") as f:
         f.write(md)
