@@ -78,56 +78,50 @@ double median_time(F&& run, double seconds) {
 // The inputs and outputs of one grid point, owned.
 struct bench_data {
   bench_point pt;
-  std::vector<float> q, k, v, o, lse;
-  std::vector<std::uint8_t> mask;
-  attention_problem p;
+  problem_data data;    // inputs and outputs, owned
+  attention_problem p;  // the view of `data` the kernels run on
   double flops = 0;
   double density = 1;  // fraction of (query, key) pairs computed
 };
 
-void fill_uniform(std::vector<float>& x, std::size_t n, std::uint64_t seed, std::uint64_t stream) {
+xt::xtensor<float, 4> uniform(std::array<std::int64_t, 4> shape, std::uint64_t seed,
+                              std::uint64_t stream) {
   const testdata::counter_rng r(seed, stream);
-  x.resize(n);
-  for (std::size_t i = 0; i < n; ++i)
-    x[i] = float(2.0 * r.uniform(i) - 1.0);
+  auto x = xt::xtensor<float, 4>::from_shape(
+      {std::size_t(shape[0]), std::size_t(shape[1]), std::size_t(shape[2]), std::size_t(shape[3])});
+  for (std::size_t i = 0; i < x.size(); ++i)
+    x.data()[i] = float(2.0 * r.uniform(i) - 1.0);
+  return x;
 }
 
 void make_data(bench_data& d, const bench_point& pt, std::uint64_t seed) {
   d.pt = pt;
   const std::int64_t B = pt.B, Hq = pt.Hq, Hk = pt.Hk, Lq = pt.Lq, Lk = pt.Lk;
-  fill_uniform(d.q, std::size_t(B * Hq * Lq * pt.D), seed, 0);
-  fill_uniform(d.k, std::size_t(B * Hk * Lk * pt.D), seed, 1);
-  fill_uniform(d.v, std::size_t(B * Hk * Lk * pt.Dv), seed, 2);
-  d.o.assign(std::size_t(B * Hq * Lq * pt.Dv), 0.0f);
-  d.lse.assign(std::size_t(B * Hq * Lq), 0.0f);
-  attention_problem& p = d.p;
-  p = attention_problem{};
-  p.q = contiguous<const float, 4>(d.q.data(), {B, Hq, Lq, pt.D});
-  p.k = contiguous<const float, 4>(d.k.data(), {B, Hk, Lk, pt.D});
-  p.v = contiguous<const float, 4>(d.v.data(), {B, Hk, Lk, pt.Dv});
-  p.o = contiguous<float, 4>(d.o.data(), {B, Hq, Lq, pt.Dv});
-  p.lse = contiguous<float, 3>(d.lse.data(), {B, Hq, Lq});
+  d.data = problem_data{};
+  d.data.q = uniform({B, Hq, Lq, pt.D}, seed, 0);
+  d.data.k = uniform({B, Hk, Lk, pt.D}, seed, 1);
+  d.data.v = uniform({B, Hk, Lk, pt.Dv}, seed, 2);
+  attention_options& opt = d.data.opt;
   d.density = 1.0;
   if (pt.mask == "causal") {
-    p.causal = causal_mode::bottom_right;
+    opt.causal = causal_mode::bottom_right;
     d.density = Lq == Lk ? 0.5 : -1;  // SPEC §8: exactly 1/2 for square causal
   } else if (pt.mask == "local_window") {
-    p.window_left = p.window_right = pt.window;
+    opt.window_left = opt.window_right = pt.window;
     d.density = -1;
   } else if (pt.mask == "block_sparse") {
     // Block (h, qb, kb) is visible with probability `density`, broadcast over the batch.
     const std::int64_t nqb = (Lq + pt.block - 1) / pt.block, nkb = (Lk + pt.block - 1) / pt.block;
     const testdata::counter_rng r(seed, 3);
-    d.mask.resize(std::size_t(Hq * nqb * nkb));
-    std::int64_t on = 0;
-    for (std::size_t i = 0; i < d.mask.size(); ++i) {
-      d.mask[i] = r.uniform(i) < pt.density;
-      on += d.mask[i];
-    }
-    p.block_mask = contiguous<const std::uint8_t, 4>(d.mask.data(), {1, Hq, nqb, nkb});
-    p.block_q = p.block_k = pt.block;
+    opt.block_mask = xt::xtensor<std::uint8_t, 4>::from_shape(
+        {1, std::size_t(Hq), std::size_t(nqb), std::size_t(nkb)});
+    for (std::size_t i = 0; i < opt.block_mask.size(); ++i)
+      opt.block_mask.data()[i] = r.uniform(i) < pt.density;
+    opt.block_q = opt.block_k = pt.block;
     d.density = -1;
   }
+  d.p = d.data.problem();
+  const attention_problem& p = d.p;
   if (d.density < 0) {  // count the visible pairs of the computed blocks exactly
     const mask_spec m = make_mask_spec(p);
     double pairs = 0;
@@ -166,11 +160,11 @@ void naive_blas(bench_data& d, int threads) {
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t bh = 0; bh < pt.B * pt.Hq; ++bh) {
       const std::int64_t b = bh / pt.Hq, h = bh % pt.Hq, hk = h / (pt.Hq / pt.Hk);
-      const float* q = d.q.data() + bh * Lq * D;
-      const float* k = d.k.data() + (b * pt.Hk + hk) * Lk * D;
-      const float* v = d.v.data() + (b * pt.Hk + hk) * Lk * Dv;
-      float* o = d.o.data() + bh * Lq * Dv;
-      float* lse = d.lse.data() + bh * Lq;
+      const float* q = d.data.q.data() + bh * Lq * D;
+      const float* k = d.data.k.data() + (b * pt.Hk + hk) * Lk * D;
+      const float* v = d.data.v.data() + (b * pt.Hk + hk) * Lk * Dv;
+      float* o = d.data.o.data() + bh * Lq * Dv;
+      float* lse = d.data.lse.data() + bh * Lq;
       cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(Lq), int(Lk), int(D), scale, q,
                   int(D), k, int(D), 0.0f, s.data(), int(Lk));
       for (std::int64_t i = 0; i < Lq; ++i) {
@@ -376,8 +370,9 @@ void memory_check(const cpu::options& copt) {
     const auto t0 = clock_type::now();
     cpu::attention(d.p, copt);
     const double s = seconds_since(t0);
-    const double inputs =
-        double(d.q.size() + d.k.size() + d.v.size() + d.o.size() + d.lse.size()) * 4.0 / (1 << 20);
+    const double inputs = double(d.data.q.size() + d.data.k.size() + d.data.v.size() +
+                                 d.data.o.size() + d.data.lse.size()) *
+                          4.0 / (1 << 20);
     std::printf("%8lld %14.1f %16ld %18.0f %12.2f\n", (long long)L, inputs, peak_rss_mib(),
                 double(L) * double(L) * 4.0 / (1 << 20), s);
     std::fflush(stdout);
@@ -527,7 +522,7 @@ int run_bench(const bench_options& opt) {
       }
       r.gflops = r.flops / r.median_s * 1e-9;
       if (peak > 0 && b == "cpu") r.peak_fraction = r.gflops / peak;
-      for (float x : d.o)
+      for (float x : d.data.o)
         ok = ok && !std::isnan(x);
       if (pt.mask == "decode") {
         r.gbps = double(pt.B * pt.Hk * pt.Lk * (pt.D + pt.Dv)) * 4.0 / r.median_s * 1e-9;

@@ -32,10 +32,8 @@ struct demo_options {
 
 struct demo_problem {
   std::int64_t B, H, L, D, nb;
-  std::vector<float> q, k, v, o;   // (B, H, L, D)
-  std::vector<float> lse;          // (B, H, L)
-  std::vector<std::uint8_t> mask;  // (B, H, nb, nb)
-  attention_problem p;
+  problem_data data;    // q, k, v, o (B, H, L, D); lse (B, H, L); block mask (B, H, nb, nb)
+  attention_problem p;  // the view of `data`
 };
 
 void build(const demo_options& opt, demo_problem& d) {
@@ -48,20 +46,25 @@ void build(const demo_options& opt, demo_problem& d) {
         std::to_string(opt.seq));
   d.B = opt.batch, d.H = opt.heads, d.L = opt.seq, d.D = opt.dim;
   d.nb = (d.L + opt.block - 1) / opt.block;
-  const std::size_t n = std::size_t(d.B * d.H * d.L * d.D);
-  d.q.resize(n), d.k.resize(n), d.v.resize(n), d.o.resize(n);
-  d.lse.resize(std::size_t(d.B * d.H * d.L));
+  const std::array<std::size_t, 4> shape{std::size_t(d.B), std::size_t(d.H), std::size_t(d.L),
+                                         std::size_t(d.D)};
+  problem_data& data = d.data;
+  data.q = xt::xtensor<float, 4>::from_shape(shape);
+  data.k = xt::xtensor<float, 4>::from_shape(shape);
+  data.v = xt::xtensor<float, 4>::from_shape(shape);
   const testdata::counter_rng rq(opt.seed, 0), rk(opt.seed, 1), rv(opt.seed, 2), rm(opt.seed, 3);
-  for (std::size_t i = 0; i < n; ++i) {
-    d.q[i] = float(rq.normal(i));
-    d.k[i] = float(rk.normal(i));
-    d.v[i] = float(rv.normal(i));
+  for (std::size_t i = 0; i < data.q.size(); ++i) {
+    data.q.data()[i] = float(rq.normal(i));
+    data.k.data()[i] = float(rk.normal(i));
+    data.v.data()[i] = float(rv.normal(i));
   }
-  d.mask.resize(std::size_t(d.B * d.H * d.nb * d.nb));
-  for (std::size_t i = 0; i < d.mask.size(); ++i)
-    d.mask[i] = rm.normal(i) <= opt.threshold;
+  auto& mask = data.opt.block_mask;
+  mask = xt::xtensor<std::uint8_t, 4>::from_shape(
+      {std::size_t(d.B), std::size_t(d.H), std::size_t(d.nb), std::size_t(d.nb)});
+  for (std::size_t i = 0; i < mask.size(); ++i)
+    mask.data()[i] = rm.normal(i) <= opt.threshold;
   auto at = [&](std::int64_t b, std::int64_t h, std::int64_t qb, std::int64_t kb) -> std::uint8_t& {
-    return d.mask[std::size_t(((b * d.H + h) * d.nb + qb) * d.nb + kb)];
+    return mask(std::size_t(b), std::size_t(h), std::size_t(qb), std::size_t(kb));
   };
   // The arrangement the bug needs: an empty q-block row (failure case 2) and a row whose
   // first visible k-block follows a masked one (failure case 1).
@@ -70,15 +73,9 @@ void build(const demo_options& opt, demo_problem& d) {
   at(0, 1, 2, 0) = 0;
   at(0, 1, 2, 1) = 1;
 
-  attention_problem& p = d.p;
-  const std::array<std::int64_t, 4> shape{d.B, d.H, d.L, d.D};
-  p.q = contiguous<const float, 4>(d.q.data(), shape);
-  p.k = contiguous<const float, 4>(d.k.data(), shape);
-  p.v = contiguous<const float, 4>(d.v.data(), shape);
-  p.o = contiguous<float, 4>(d.o.data(), shape);
-  p.lse = contiguous<float, 3>(d.lse.data(), {d.B, d.H, d.L});
-  p.block_mask = contiguous<const std::uint8_t, 4>(d.mask.data(), {d.B, d.H, d.nb, d.nb});
-  p.block_q = p.block_k = opt.block;
+  data.opt.block_q = data.opt.block_k = opt.block;
+  d.p = data.problem();
+  const attention_problem& p = d.p;
   validate(p);
 }
 
@@ -161,7 +158,7 @@ int run_demo(const demo_options& opt) {
 
   const reference::golden g = reference::naive_attention(d.p);
   double max_v = 0;
-  for (float x : d.v)
+  for (float x : d.data.v)
     max_v = std::max(max_v, double(std::abs(x)));
   const tolerance tol = default_tolerance(input_dtype::float32, max_v);
   const mask_spec mask = make_mask_spec(d.p);
@@ -212,15 +209,15 @@ int run_demo(const demo_options& opt) {
                     count_nan_first_masked(d, g, o.data(), lse.data(), opt.block), secs});
   }
   for (backend be : chosen) {
-    std::fill(d.o.begin(), d.o.end(), NAN);
-    std::fill(d.lse.begin(), d.lse.end(), NAN);
+    d.data.o.fill(NAN);
+    d.data.lse.fill(NAN);
     const auto t0 = clock::now();
     attention(d.p, be);
     const double secs = std::chrono::duration<double>(clock::now() - t0).count();
     rows.push_back(
         {std::string("backend ") + to_string(be) + (be == backend::reference ? " (tiled)" : ""),
-         false, compare(g, d.o.data(), d.lse.data(), tol),
-         count_nan_first_masked(d, g, d.o.data(), d.lse.data(), opt.block), secs});
+         false, compare(g, d.data.o.data(), d.data.lse.data(), tol),
+         count_nan_first_masked(d, g, d.data.o.data(), d.data.lse.data(), opt.block), secs});
   }
 
   std::printf("%-27s %12s %9s %16s %18s", "variant", "max|err|", "NaN rows", "empty rows ok",

@@ -439,10 +439,8 @@ void add_explain(CLI::App& app, exit_slot status) {
     }
     if (opt->case_name.empty()) opt->case_name = "spec_masked_first_block";
     const std::filesystem::path file = std::filesystem::path(opt->dir) / (opt->case_name + ".h5");
-    const testdata::problem_inputs pin = testdata::read_problem(file);
-    xt::xtensor<float, 4> o;
-    xt::xtensor<float, 3> lse;
-    const attention_problem p = pin.problem(o, lse);
+    const problem_data pin = testdata::read_problem(file);
+    const attention_problem p = pin.inputs();
     if (!opt->mask_map.empty()) {
       if (opt->b < 0 || opt->b >= p.batch() || opt->h < 0 || opt->h >= p.heads_q())
         throw problem_error("--row: expected b < " + std::to_string(p.batch()) + " and h < " +

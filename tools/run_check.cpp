@@ -43,16 +43,15 @@ struct run_options {
 int run_problem(const run_options& opt) {
   const backend chosen = resolve(parse_backend(opt.backend));  // bad backend: before any I/O
   const h5::file f = h5::file::open(opt.problem);
-  const testdata::problem_inputs in = testdata::read_problem(f);
+  problem_data in = testdata::read_problem(f);
   // The fixture a result belongs to, when the problem file names it: check refuses the result
   // against any other fixture.
   const std::string case_name =
       h5::has_attr(f, "/", "case") ? h5::read_string_attr(f, "/", "case") : "";
   const std::string digest = testdata::inputs_digest(in);
-  xt::xtensor<float, 4> o;
-  xt::xtensor<float, 3> lse;
-  const attention_problem p = in.problem(o, lse);
-  const backend used = attention(p, chosen);
+  const backend used = attention(in.problem(), chosen);
+  const auto& o = in.o;
+  const auto& lse = in.lse;
   testdata::write_result(opt.out, o, lse, to_string(used), case_name, digest);
   std::printf("%s: wrote /o [%zu, %zu, %zu, %zu] and /lse [%zu, %zu, %zu] (float32, backend %s)\n",
               opt.out.c_str(), o.shape(0), o.shape(1), o.shape(2), o.shape(3), lse.shape(0),
@@ -525,13 +524,11 @@ int run_check(const check_options& opt) {
       check_row row = base;
       row.judged = to_string(be);
       try {
-        xt::xtensor<float, 4> o;
-        xt::xtensor<float, 3> lse;
-        const attention_problem p = fx.in.problem(o, lse);
-        attention(p, be);
+        problem_data d = fx.in;
+        attention(d.problem(), be);
         row.o_dtype = row.lse_dtype = "float32";
-        const xt::xtensor<double, 4> o64 = xt::cast<double>(o);
-        const xt::xtensor<double, 3> lse64 = xt::cast<double>(lse);
+        const xt::xtensor<double, 4> o64 = xt::cast<double>(d.o);
+        const xt::xtensor<double, 3> lse64 = xt::cast<double>(d.lse);
         judge(row, fx, {o64.data(), lse64.data(), o64.size()}, file, opt.worst_rows);
       } catch (const problem_error& e) {  // e.g. a head dim this backend does not support
         row.v = verdict::error;

@@ -32,19 +32,24 @@ backend parse_backend(const std::string& s) {
 
 std::vector<backend_info> backends() {
   std::vector<backend_info> out;
-  out.push_back({backend::reference, true, true, ""});
+  const std::vector<input_dtype> f32{input_dtype::float32};
+  out.push_back({backend::reference, true, true, "", f32});
 #if defined(FLASHREF_HAVE_CPU)
-  out.push_back({backend::cpu, true, true, ""});
+  out.push_back({backend::cpu, true, true, "", f32});
 #else
-  out.push_back({backend::cpu, false, false, "the CPU backend is not built into this library"});
+  out.push_back(
+      {backend::cpu, false, false, "the CPU backend is not built into this library", f32});
 #endif
+  const std::vector<input_dtype> all{input_dtype::float32, input_dtype::bfloat16,
+                                     input_dtype::float16};
 #if defined(FLASHREF_HAVE_CUDA)
   std::string why;
   const bool dev = cuda::device_available(&why);
-  out.push_back({backend::cuda, true, dev, why});
+  out.push_back({backend::cuda, true, dev, why, all});
 #else
   out.push_back({backend::cuda, false, false,
-                 "the CUDA backend is not built into this library (FLASHREF_CUDA=OFF or no nvcc)"});
+                 "the CUDA backend is not built into this library (FLASHREF_CUDA=OFF or no nvcc)",
+                 all});
 #endif
   return out;
 }
@@ -82,48 +87,6 @@ backend attention(const attention_problem& p, backend b) {
       reference::tiled_attention(p);
       return backend::reference;
   }
-}
-
-attention_problem make_problem(const xt::xtensor<float, 4>& q, const xt::xtensor<float, 4>& k,
-                               const xt::xtensor<float, 4>& v, const attention_options& opt,
-                               xt::xtensor<float, 4>& o, xt::xtensor<float, 3>& lse) {
-  auto shape4 = [](const auto& x) {
-    return std::array<std::int64_t, 4>{std::int64_t(x.shape(0)), std::int64_t(x.shape(1)),
-                                       std::int64_t(x.shape(2)), std::int64_t(x.shape(3))};
-  };
-  const std::int64_t B = std::int64_t(q.shape(0)), Hq = std::int64_t(q.shape(1));
-  const std::int64_t Lq = std::int64_t(q.shape(2)), Dv = std::int64_t(v.shape(3));
-  o = xt::xtensor<float, 4>::from_shape(
-      {std::size_t(B), std::size_t(Hq), std::size_t(Lq), std::size_t(Dv)});
-  lse = xt::xtensor<float, 3>::from_shape({std::size_t(B), std::size_t(Hq), std::size_t(Lq)});
-
-  attention_problem p;
-  p.q = contiguous<const float, 4>(q.data(), shape4(q));
-  p.k = contiguous<const float, 4>(k.data(), shape4(k));
-  p.v = contiguous<const float, 4>(v.data(), shape4(v));
-  p.o = contiguous<float, 4>(o.data(), {B, Hq, Lq, Dv});
-  p.lse = contiguous<float, 3>(lse.data(), {B, Hq, Lq});
-  p.scale = opt.scale;
-  p.causal = opt.causal;
-  p.window_left = opt.window_left;
-  p.window_right = opt.window_right;
-  if (opt.block_mask.size() > 0 || opt.block_q != 0 || opt.block_k != 0) {
-    p.block_mask = contiguous<const std::uint8_t, 4>(opt.block_mask.data(), shape4(opt.block_mask));
-    if (p.block_mask.data == nullptr) {
-      static const std::uint8_t kNone = 0;  // a zero-sized mask still needs a non-null pointer
-      p.block_mask.data = &kNone;
-    }
-    p.block_q = opt.block_q;
-    p.block_k = opt.block_k;
-  }
-  if (!opt.kv_len.empty()) {
-    if (std::int64_t(opt.kv_len.size()) != B)  // one key length per batch entry
-      throw problem_error("kv_len: expected " + std::to_string(B) + " entries, got " +
-                          std::to_string(opt.kv_len.size()));
-    p.kv_len = opt.kv_len.data();
-  }
-  p.dtype = opt.dtype;
-  return p;
 }
 
 attention_result attention(const xt::xtensor<float, 4>& q, const xt::xtensor<float, 4>& k,

@@ -28,7 +28,7 @@ bool naive_visible(const attention_problem& p, std::int64_t b, std::int64_t h, s
 }  // namespace
 
 golden naive_attention(const attention_problem& p) {
-  validate(p);
+  validate_inputs(p);
   const std::int64_t B = p.batch(), Hq = p.heads_q(), Lq = p.len_q(), Lk = p.len_k();
   const std::int64_t D = p.head_dim(), Dv = p.head_dim_v();
   const std::int64_t group = p.group_size();

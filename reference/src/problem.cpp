@@ -95,10 +95,19 @@ input_dtype parse_input_dtype(const std::string& s) {
 }
 
 void validate(const attention_problem& p) {
+  validate_inputs(p);
+  check_view("o", p.o);
+  check_shape("o", p.o, {p.batch(), p.heads_q(), p.len_q(), p.head_dim_v()});
+  if (p.lse.data != nullptr) {
+    check_view("lse", p.lse);
+    check_shape("lse", p.lse, {p.batch(), p.heads_q(), p.len_q()});
+  }
+}
+
+void validate_inputs(const attention_problem& p) {
   check_view("q", p.q);
   check_view("k", p.k);
   check_view("v", p.v);
-  check_view("o", p.o);
   const std::int64_t B = p.batch(), Hq = p.heads_q(), Lq = p.len_q(), D = p.head_dim();
   // K shares batch and head dim with Q; V shares batch, heads and length with K.
   check_shape("k", p.k, {B, -1, -1, D});
@@ -107,11 +116,6 @@ void validate(const attention_problem& p) {
   // GQA/MQA: query head h reads key/value head h / (Hq / Hk).
   if (Hq > 0 && (Hk == 0 || Hq % Hk != 0)) {
     fail("k", "a head count dividing Hq = " + std::to_string(Hq), "Hk = " + std::to_string(Hk));
-  }
-  check_shape("o", p.o, {B, Hq, Lq, p.head_dim_v()});
-  if (p.lse.data != nullptr) {
-    check_view("lse", p.lse);
-    check_shape("lse", p.lse, {B, Hq, Lq});
   }
   if (p.scale && !std::isfinite(*p.scale))
     fail("scale", "a finite number", std::to_string(*p.scale));

@@ -249,9 +249,7 @@ void make_extreme_scores(fixture& fx, const variant& v) {
 // Scores in float64 of the stored inputs, one row at a time.
 template <class F>
 void for_each_score_row(const fixture& fx, F&& f) {
-  xt::xtensor<float, 4> o;
-  xt::xtensor<float, 3> lse;
-  const attention_problem p = fx.in.problem(o, lse);
+  const attention_problem p = fx.in.inputs();
   std::vector<double> s(std::size_t(p.len_k()));
   for (std::int64_t h = 0; h < p.heads_q(); ++h) {
     for (std::int64_t i = 0; i < p.len_q(); ++i) {
@@ -474,9 +472,7 @@ const std::vector<case_def>& definitions() {
 
 // Golden values, tolerance and (for spec cases) the trace of the spec function.
 void finish(fixture& fx, bool spec) {
-  xt::xtensor<float, 4> o;
-  xt::xtensor<float, 3> lse;
-  const attention_problem p = fx.in.problem(o, lse);
+  const attention_problem p = fx.in.inputs();
   fx.golden = reference::naive_attention(p);
   double max_v = 0;
   for (float x : fx.in.v)

@@ -38,8 +38,8 @@ void check_representable(const h5::file& f, const char* path, const xt::xtensor<
   }
 }
 
-problem_inputs read_problem_impl(const h5::file& f) {
-  problem_inputs in;
+problem_data read_problem_impl(const h5::file& f) {
+  problem_data in;
   in.q = h5::load<float, 4>(f, "/inputs/q");
   in.k = h5::load<float, 4>(f, "/inputs/k");
   in.v = h5::load<float, 4>(f, "/inputs/v");
@@ -67,9 +67,7 @@ problem_inputs read_problem_impl(const h5::file& f) {
     const auto kv = h5::load<std::int32_t, 1>(f, "/inputs/kv_len");
     opt.kv_len.assign(kv.begin(), kv.end());
   }
-  xt::xtensor<float, 4> o;
-  xt::xtensor<float, 3> lse;
-  in.problem(o, lse);  // validates shapes, masks and kv_len
+  validate(in.problem());  // shapes, masks and kv_len
   if (opt.dtype != input_dtype::float32) {
     check_representable(f, "/inputs/q", in.q, opt.dtype);
     check_representable(f, "/inputs/k", in.k, opt.dtype);
@@ -78,11 +76,11 @@ problem_inputs read_problem_impl(const h5::file& f) {
   return in;
 }
 
-std::array<std::size_t, 4> o_shape(const problem_inputs& in) {
+std::array<std::size_t, 4> o_shape(const problem_data& in) {
   return {in.q.shape(0), in.q.shape(1), in.q.shape(2), in.v.shape(3)};
 }
 
-std::array<std::size_t, 3> lse_shape(const problem_inputs& in) {
+std::array<std::size_t, 3> lse_shape(const problem_data& in) {
   return {in.q.shape(0), in.q.shape(1), in.q.shape(2)};
 }
 
@@ -102,14 +100,7 @@ float round_to(input_dtype dtype, float x) {
   return std::fabs(r) > 65504.0f ? std::copysign(INFINITY, x) : r;
 }
 
-attention_problem problem_inputs::problem(xt::xtensor<float, 4>& o,
-                                          xt::xtensor<float, 3>& lse) const {
-  attention_problem p = make_problem(q, k, v, opt, o, lse);
-  validate(p);
-  return p;
-}
-
-problem_inputs read_problem(const h5::file& f) {
+problem_data read_problem(const h5::file& f) {
   try {
     return read_problem_impl(f);
   } catch (const problem_error& e) {
@@ -119,7 +110,7 @@ problem_inputs read_problem(const h5::file& f) {
   }
 }
 
-problem_inputs read_problem(const std::filesystem::path& path) {
+problem_data read_problem(const std::filesystem::path& path) {
   return read_problem(h5::file::open(path));
 }
 
@@ -159,9 +150,7 @@ fixture read_fixture(const std::filesystem::path& path) {
 }
 
 void write_fixture(const std::filesystem::path& path, const fixture& fx) {
-  xt::xtensor<float, 4> o;
-  xt::xtensor<float, 3> lse;
-  const attention_problem p = fx.in.problem(o, lse);
+  const attention_problem p = fx.in.inputs();
   const attention_options& opt = fx.in.opt;
   h5::write_atomically(path, [&](h5::file& f) {
     h5::write_attr(f, kRoot, "format_version", kFormatVersion);
@@ -288,10 +277,8 @@ std::optional<std::string> attr_if_present(const h5::file& f, const char* name) 
 
 }  // namespace
 
-std::string inputs_digest(const problem_inputs& in) {
-  xt::xtensor<float, 4> o;
-  xt::xtensor<float, 3> lse;
-  const attention_problem p = in.problem(o, lse);
+std::string inputs_digest(const problem_data& in) {
+  const attention_problem p = in.inputs();
   const attention_options& opt = in.opt;
   fnv1a h;
   h.tensor(in.q);

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "../common/catalogue.hpp"
 #include "../common/check.hpp"
 #include "flashref/cuda/attention.hpp"
 #include "flashref/flashref.hpp"
@@ -23,160 +24,46 @@
 using flashref::causal_mode;
 using flashref::input_dtype;
 using flashref::problem_error;
+using flashref::test::catalogue_case;
 using flashref::test::check_against_naive;
-using flashref::test::owned_problem;
 using flashref::test::problem_shape;
 namespace fc = flashref::cuda;
 
 namespace {
 
-// Inputs exactly representable in `dtype`, so that the golden float64 result on the stored
-// float32 values is also the answer for the half-precision kernels.
-void round_inputs(input_dtype dtype, owned_problem& op) {
-  for (auto* x : {&op.q, &op.k, &op.v})
-    for (float& e : *x)
-      e = flashref::testdata::round_to(dtype, e);
-}
-
 void cuda_check(cudaError_t e) {
   REQUIRE(std::string(cudaGetErrorString(e)) == "no error");
 }
 
-// Runs the host entry with inputs rounded to `dtype` and judges the result with that dtype's
-// tolerance.
-// integer_qk: Q and K rounded to integers and scale 1, so that even scores of magnitude
-// 1e3..1e4 are exact in float32 and only the softmax itself is judged.
-void run_and_check(const problem_shape& s, std::uint64_t seed, input_dtype dtype,
-                   bool integer_qk = false) {
-  CAPTURE(s.describe(), seed, flashref::to_string(dtype), integer_qk);
-  owned_problem op(s, seed);
-  if (integer_qk) {
-    for (auto* x : {&op.q, &op.k})
-      for (float& e : *x)
-        e = std::nearbyint(e);
-    op.p.scale = 1.0;
-  }
-  round_inputs(dtype, op);
-  op.p.dtype = dtype;
-  op.poison_outputs();
-  fc::attention(op.p);
-  FLASHREF_REQUIRE_CONFORMS(check_against_naive(op, dtype));
-}
-
-// The edge cases of SPEC §2 at head dims d, dv; run for every dtype given.
-void edge_cases(std::int64_t d, std::int64_t dv, input_dtype dtype) {
-  problem_shape s;
-  s.D = d, s.Dv = dv;
-  SECTION("zero-sized dimensions") {
-    for (auto dims : {std::array<std::int64_t, 4>{0, 1, 4, 4},
-                      {1, 0, 4, 4},
-                      {1, 1, 0, 4},
-                      {1, 1, 4, 0},
-                      {1, 1, 1, 0}}) {
-      s.B = dims[0], s.Hq = dims[1], s.Hk = 1, s.Lq = dims[2], s.Lk = dims[3];
-      run_and_check(s, 1, dtype);
-    }
-  }
-  SECTION("lengths around the tile sizes") {
-    for (std::int64_t lq : {1, 31, 64, 65, 129}) {
-      for (std::int64_t lk : {1, 33, 64, 127, 200}) {
-        s.Lq = lq, s.Lk = lk;
-        run_and_check(s, 2, dtype);
-      }
-    }
-  }
-  SECTION("causal, both alignments, more and fewer queries than keys") {
-    s.causal = GENERATE(causal_mode::bottom_right, causal_mode::top_left);
-    for (auto [lq, lk] : {std::pair<std::int64_t, std::int64_t>{200, 70}, {70, 200}, {150, 150}}) {
-      s.Lq = lq, s.Lk = lk;
-      run_and_check(s, 3, dtype);
-    }
-  }
-  SECTION("local window, including rows whose window is empty") {
-    s.Lq = 160, s.Lk = 90;
-    s.window_left = GENERATE(0, 5, 40, -1);
-    s.window_right = GENERATE(0, 17, -1);
-    run_and_check(s, 4, dtype);
-  }
-  SECTION("kv_len = 0 next to normal entries") {
-    s.B = 4, s.Lq = 70, s.Lk = 150, s.use_kv_len = true;
-    run_and_check(s, 5, dtype);
-  }
-  SECTION("block masks: all empty, sparse, all full, sizes that divide nothing") {
-    s.Lq = 200, s.Lk = 260;
-    s.block_density = GENERATE(0.0, 0.2, 0.6, 1.0);
-    for (auto [bq, bk] : {std::pair<std::int64_t, std::int64_t>{128, 128},
-                          {24, 40},
-                          {1, 7},
-                          {64, 64},
-                          {300, 300}}) {
-      s.block_q = bq, s.block_k = bk;
-      run_and_check(s, 6, dtype);
-    }
-  }
-  SECTION("block mask broadcast over batch and heads, with causal and kv_len") {
-    s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 130, s.Lk = 190;
-    s.block_q = 32, s.block_k = 48, s.block_density = 0.4;
-    s.mask_broadcast_b = true, s.mask_broadcast_h = GENERATE(false, true);
-    s.causal = causal_mode::bottom_right, s.use_kv_len = true;
-    run_and_check(s, 7, dtype);
-  }
-  SECTION("GQA and MQA") {
-    s.Hq = 8, s.Hk = GENERATE(2, 1), s.Lq = 70, s.Lk = 100;
-    run_and_check(s, 8, dtype);
-  }
-  SECTION("[B, L, H, D] layout") {
-    s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 90, s.Lk = 130, s.blhd = true;
-    s.causal = causal_mode::top_left;
-    run_and_check(s, 9, dtype);
-  }
-  SECTION("extreme scores: exp overflows without the max subtraction") {
-    s.Lq = 70, s.Lk = 150, s.value_scale = 24.0;
-    run_and_check(s, 10, dtype, /*integer_qk=*/true);
-  }
+// The host entry with the problem's dtype (float32: the SIMT kernel; bfloat16 / float16: the
+// tensor-core kernel where the head dims allow).
+void host_entry(const flashref::attention_problem& p) {
+  fc::attention(p);
 }
 
 }  // namespace
 
-TEST_CASE("cuda float32 path: edge cases", "[cuda][simt]") {
-  const std::int64_t d = GENERATE(1, 16, 40, 64, 128, 256);
-  edge_cases(d, d, input_dtype::float32);
+// The conformance suite (tests/conformance) runs the catalogue through backend::cuda; here it
+// runs again in this binary so that the GPU round's memcheck and racecheck cover every case.
+TEST_CASE("cuda: the catalogue in every dtype", "[cuda][race]") {
+  const input_dtype dtype =
+      GENERATE(input_dtype::float32, input_dtype::bfloat16, input_dtype::float16);
+  for (const catalogue_case& c : flashref::test::edge_cases())
+    flashref::test::check_case(c, dtype, host_entry);
+  for (const catalogue_case& c : flashref::test::combined_masks())
+    flashref::test::check_case(c, dtype, host_entry);
 }
 
-TEST_CASE("cuda float32 path: Dv != D", "[cuda][simt][race]") {
-  using dims = std::pair<std::int64_t, std::int64_t>;
-  const auto [d, dv] = GENERATE(dims{24, 40}, dims{64, 128}, dims{96, 3});
-  edge_cases(d, dv, input_dtype::float32);
-}
-
-TEST_CASE("cuda tensor cores: edge cases", "[cuda][tensor_core][race]") {
-  const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float16);
-  const std::int64_t d = GENERATE(64, 128);
-  edge_cases(d, d, dtype);
-}
-
-TEST_CASE("cuda half inputs without a tensor-core kernel fall back to float32", "[cuda]") {
-  const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float16);
-  using dims = std::pair<std::int64_t, std::int64_t>;
-  const auto [d, dv] = GENERATE(dims{96, 96}, dims{64, 128}, dims{8, 8});
-  problem_shape s;
-  s.D = d, s.Dv = dv, s.Lq = 70, s.Lk = 90, s.causal = causal_mode::bottom_right;
-  run_and_check(s, 11, dtype);
-}
-
-TEST_CASE("cuda float32 path: random problems", "[cuda][simt][random]") {
-  for (std::uint64_t seed = 1; seed <= 120; ++seed) {
-    run_and_check(flashref::test::random_shape(seed), seed, input_dtype::float32);
-  }
-}
-
-TEST_CASE("cuda tensor cores: random problems", "[cuda][tensor_core][random]") {
-  const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float16);
-  for (std::uint64_t seed = 1; seed <= 50; ++seed) {
-    problem_shape s = flashref::test::random_shape(seed);
-    s.D = s.Dv = seed % 2 == 0 ? 64 : 128;
-    s.Lq *= 2, s.Lk *= 2;  // several tiles of the kernel
-    run_and_check(s, seed, dtype);
+TEST_CASE("cuda: random problems in every dtype", "[cuda][random]") {
+  const input_dtype dtype =
+      GENERATE(input_dtype::float32, input_dtype::bfloat16, input_dtype::float16);
+  for (const catalogue_case& c : flashref::test::random_cases(1, 120))
+    flashref::test::check_case(c, dtype, host_entry);
+  // Several tiles of the tensor-core kernel at its head dims.
+  for (catalogue_case c : flashref::test::random_cases(1, 50)) {
+    c.shape.D = c.shape.Dv = c.seed % 2 == 0 ? 64 : 128;
+    c.shape.Lq *= 2, c.shape.Lk *= 2;
+    flashref::test::check_case(c, dtype, host_entry);
   }
 }
 
@@ -218,13 +105,13 @@ float from_bf16_bits(std::uint16_t b) {
 }
 
 // The device entry on bf16 data stored [B, L, H, D] with bf16 output [B, L, H, Dv].
-std::vector<float> run_device_entry(const owned_problem& op, cudaStream_t stream,
-                                    std::vector<float>* lse_out) {
-  const auto& s = op.shape;
-  auto to_bits = [](const std::vector<float>& x) {
+std::vector<float> run_device_entry(const problem_shape& s, const flashref::problem_data& op,
+                                    cudaStream_t stream, std::vector<float>* lse_out) {
+  const flashref::attention_problem p = op.inputs();
+  auto to_bits = [](const xt::xtensor<float, 4>& x) {
     std::vector<std::uint16_t> out(x.size());
     for (std::size_t i = 0; i < x.size(); ++i)
-      out[i] = bf16_bits(x[i]);
+      out[i] = bf16_bits(x.data()[i]);
     return out;
   };
   device_copy dc;
@@ -247,18 +134,19 @@ std::vector<float> run_device_entry(const owned_problem& op, cudaStream_t stream
   dp.o = {dc.alloc(o_count * 2), os, ost};
   const std::size_t rows = std::size_t(s.B * s.Hq * s.Lq);
   dp.lse = {dc.alloc(rows * 4), {s.B, s.Hq, s.Lq}, {s.Hq * s.Lq, s.Lq, 1}};
-  dp.causal = op.p.causal;
-  dp.window_left = op.p.window_left;
-  dp.window_right = op.p.window_right;
-  if (op.p.has_block_mask()) {
-    dp.block_mask = {dc.upload(op.mask.data(), op.mask.size()), op.p.block_mask.shape,
-                     op.p.block_mask.stride};
-    dp.block_q = op.p.block_q;
-    dp.block_k = op.p.block_k;
+  dp.causal = p.causal;
+  dp.window_left = p.window_left;
+  dp.window_right = p.window_right;
+  if (p.has_block_mask()) {
+    const auto& mask = op.opt.block_mask;
+    dp.block_mask = {dc.upload(mask.data(), mask.size()), p.block_mask.shape, p.block_mask.stride};
+    dp.block_q = p.block_q;
+    dp.block_k = p.block_k;
   }
-  if (op.p.kv_len != nullptr) {
-    dp.kv_len = static_cast<const std::int32_t*>(
-        dc.upload(op.kv_len.data(), op.kv_len.size() * sizeof(std::int32_t)));
+  if (p.kv_len != nullptr) {
+    const auto& kv = op.opt.kv_len;
+    dp.kv_len =
+        static_cast<const std::int32_t*>(dc.upload(kv.data(), kv.size() * sizeof(std::int32_t)));
   }
   REQUIRE(std::string(fc::kernel_for(dp)) == "tensor_core");
   fc::attention(dp, stream);
@@ -287,17 +175,15 @@ TEST_CASE("cuda device entry: bf16 in and out, [B, L, H, D] storage, a stream", 
   s.block_q = 40, s.block_k = 72, s.block_density = 0.5, s.use_kv_len = true;
   s.blhd = true;  // the host copies are stored [B, L, H, D], as the device ones
   CAPTURE(s.describe());
-  owned_problem op(s, 21);
-  round_inputs(input_dtype::bfloat16, op);
+  flashref::problem_data op = flashref::test::random_problem(s, 21);
+  flashref::test::round_inputs(op, input_dtype::bfloat16);
   cudaStream_t stream = nullptr;
   cuda_check(cudaStreamCreate(&stream));
   std::vector<float> lse;
-  const std::vector<float> o = run_device_entry(op, stream, &lse);
+  const std::vector<float> o = run_device_entry(s, op, stream, &lse);
   cuda_check(cudaStreamDestroy(stream));
-  const flashref::reference::golden g = flashref::reference::naive_attention(op.p);
-  double max_v = 0;
-  for (float x : op.v)
-    max_v = std::max(max_v, double(std::abs(x)));
+  const flashref::reference::golden g = flashref::reference::naive_attention(op.inputs());
+  const double max_v = flashref::test::max_abs(op.v);
   FLASHREF_REQUIRE_CONFORMS(
       compare(g, o.data(), lse.data(), default_tolerance(input_dtype::bfloat16, max_v)));
 }
@@ -308,15 +194,14 @@ TEST_CASE("cuda is bitwise deterministic from run to run", "[cuda][big]") {
   s.block_q = 128, s.block_k = 128, s.block_density = 0.3, s.causal = causal_mode::bottom_right;
   const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float32);
   CAPTURE(flashref::to_string(dtype));
-  owned_problem op(s, 31);
-  round_inputs(dtype, op);
-  op.p.dtype = dtype;
-  fc::attention(op.p);
-  const std::vector<float> o1 = op.o, lse1 = op.lse;
-  op.poison_outputs();
-  fc::attention(op.p);
-  REQUIRE(std::memcmp(o1.data(), op.o.data(), o1.size() * sizeof(float)) == 0);
-  REQUIRE(std::memcmp(lse1.data(), op.lse.data(), lse1.size() * sizeof(float)) == 0);
+  flashref::problem_data op = flashref::test::random_problem(s, 31);
+  flashref::test::round_inputs(op, dtype);
+  fc::attention(op.problem());
+  const flashref::attention_outputs first = op;
+  flashref::test::poison_outputs(op);
+  fc::attention(op.problem());
+  REQUIRE(std::memcmp(first.o.data(), op.o.data(), op.o.size() * sizeof(float)) == 0);
+  REQUIRE(std::memcmp(first.lse.data(), op.lse.data(), op.lse.size() * sizeof(float)) == 0);
 }
 
 TEST_CASE("cuda never reads key tiles with no visible key", "[cuda][race]") {
@@ -327,11 +212,10 @@ TEST_CASE("cuda never reads key tiles with no visible key", "[cuda][race]") {
   s.D = s.Dv = GENERATE(64, 128);
   const input_dtype dtype = GENERATE(input_dtype::float32, input_dtype::bfloat16);
   CAPTURE(s.D, flashref::to_string(dtype));
-  owned_problem op(s, 41);
-  round_inputs(dtype, op);
-  op.p.dtype = dtype;
-  const auto& bm = op.p.block_mask;
-  auto* mask = op.mask.data();
+  flashref::problem_data op = flashref::test::random_problem(s, 41);
+  flashref::test::round_inputs(op, dtype);
+  const auto bm = op.problem().block_mask;
+  auto* mask = op.opt.block_mask.data();
   for (std::int64_t h = 0; h < bm.shape[1]; ++h) {
     for (std::int64_t qb = 0; qb < bm.shape[2]; ++qb) {
       for (std::int64_t kb = 0; kb < bm.shape[3]; ++kb) {
@@ -343,12 +227,11 @@ TEST_CASE("cuda never reads key tiles with no visible key", "[cuda][race]") {
   }
   for (std::int64_t j : {64, 100, 127, 256, 300, 319}) {
     for (std::int64_t d = 0; d < s.D; ++d)
-      op.k[std::size_t(j * s.D + d)] = NAN;
+      op.k(0, 0, std::size_t(j), std::size_t(d)) = NAN;
     for (std::int64_t d = 0; d < s.Dv; ++d)
-      op.v[std::size_t(j * s.Dv + d)] = NAN;
+      op.v(0, 0, std::size_t(j), std::size_t(d)) = NAN;
   }
-  op.poison_outputs();
-  fc::attention(op.p);
+  fc::attention(op.problem());
   const flashref::conformance_report r = check_against_naive(op, dtype);
   CHECK(r.empty_rows == 2 * 128);
   FLASHREF_REQUIRE_CONFORMS(r);
@@ -364,23 +247,21 @@ TEST_CASE("cuda: a NaN or inf in V reaches only the rows that see its key", "[cu
   const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float16);
   const float bad = GENERATE(NAN, INFINITY);
   CAPTURE(s.D, flashref::to_string(dtype), bad);
-  owned_problem op(s, 43);
-  round_inputs(dtype, op);
-  op.p.dtype = dtype;
-  op.v[std::size_t(70 * s.Dv + 5)] = bad;
-  op.poison_outputs();
-  fc::attention(op.p);
-  for (std::int64_t i = 0; i < s.Lq; ++i) {
+  flashref::problem_data op = flashref::test::random_problem(s, 43);
+  flashref::test::round_inputs(op, dtype);
+  op.v(0, 0, 70, 5) = bad;
+  fc::attention(op.problem());
+  for (std::size_t i = 0; i < std::size_t(s.Lq); ++i) {
     CAPTURE(i);
-    bool finite = std::isfinite(op.p.lse(0, 0, i));
-    for (std::int64_t d = 0; d < s.Dv; ++d)
-      finite = finite && std::isfinite(op.p.o(0, 0, i, d));
+    bool finite = std::isfinite(op.lse(0, 0, i));
+    for (std::size_t d = 0; d < std::size_t(s.Dv); ++d)
+      finite = finite && std::isfinite(op.o(0, 0, i, d));
     REQUIRE(finite == (i < 70));
   }
   // A finite V still takes the tensor-core kernel, and meets the contract.
-  op.v[std::size_t(70 * s.Dv + 5)] = 0.5f;
-  op.poison_outputs();
-  fc::attention(op.p);
+  op.v(0, 0, 70, 5) = 0.5f;
+  flashref::test::poison_outputs(op);
+  fc::attention(op.problem());
   FLASHREF_REQUIRE_CONFORMS(check_against_naive(op, dtype));
 }
 
@@ -440,9 +321,10 @@ TEST_CASE("cuda passes every golden fixture, float32 and half-precision paths",
     if (fx.in.opt.dtype != input_dtype::float32) runs.push_back(fx.in.opt.dtype);
     for (const input_dtype dtype : runs) {
       CAPTURE(c.name, flashref::to_string(dtype));
-      xt::xtensor<float, 4> o;
-      xt::xtensor<float, 3> lse;
-      flashref::attention_problem p = fx.in.problem(o, lse);
+      flashref::problem_data d = fx.in;
+      flashref::attention_problem p = d.problem();
+      auto& o = d.o;
+      auto& lse = d.lse;
       p.dtype = dtype;
       std::fill(o.begin(), o.end(), NAN);
       std::fill(lse.begin(), lse.end(), NAN);

@@ -2,13 +2,12 @@
 // the actual value. Plus the online-softmax state's named steps and the mask helper.
 #include <catch2/catch.hpp>
 
-#include "../common/owned_problem.hpp"
+#include "../common/problem.hpp"
 #include "flashref/reference/mask.hpp"
 #include "flashref/reference/naive.hpp"
 #include "flashref/reference/online_softmax.hpp"
 
 using flashref::problem_error;
-using flashref::test::owned_problem;
 using flashref::test::problem_shape;
 
 namespace {
@@ -21,8 +20,8 @@ problem_shape base() {
 }  // namespace
 
 TEST_CASE("validation names the field, the expected and the actual value", "[validate]") {
-  owned_problem op(base(), 1);
-  auto& p = op.p;
+  flashref::problem_data d = flashref::test::random_problem(base(), 1);
+  flashref::attention_problem p = d.problem();
   REQUIRE_NOTHROW(flashref::validate(p));
 
   SECTION("block mask shape") {
@@ -119,8 +118,8 @@ TEST_CASE("mask_spec classifies tiles exactly where it claims to", "[mask]") {
   problem_shape s = flashref::test::random_shape(seed);
   s.Lq = std::max<std::int64_t>(s.Lq, 1), s.Lk = std::max<std::int64_t>(s.Lk, 1);
   CAPTURE(seed, s.describe());
-  owned_problem op(s, seed);
-  const flashref::mask_spec m = flashref::make_mask_spec(op.p);
+  const flashref::problem_data d = flashref::test::random_problem(s, seed);
+  const flashref::mask_spec m = flashref::make_mask_spec(d.inputs());
   for (std::int64_t b = 0; b < s.B; ++b)
     for (std::int64_t h = 0; h < s.Hq; ++h)
       for (std::int64_t q0 = 0; q0 < s.Lq; q0 += 7)

@@ -410,7 +410,7 @@ TEST_CASE("cli: a result names its case and inputs; check refuses another fixtur
   CHECK_THAT(plain.out, Contains("FAIL"));
   CHECK(check_candidate("causal_lq_gt_lk_top_left", dir / "plain.h5").rc == 0);
   // The digest covers the options, not only the tensors.
-  td::problem_inputs in = br.in;
+  flashref::problem_data in = br.in;
   in.opt.causal = flashref::causal_mode::top_left;
   CHECK(td::inputs_digest(in) != td::inputs_digest(br.in));
   in = br.in;

@@ -84,9 +84,10 @@ TEST_CASE("every fixture passes on every available backend", "[fixtures][backend
     for (const flashref::backend_info& info : flashref::backends()) {
       if (!info.available) continue;  // e.g. CUDA without a device
       DYNAMIC_SECTION(c.name << " on " << flashref::to_string(info.id)) {
-        xt::xtensor<float, 4> o;
-        xt::xtensor<float, 3> lse;
-        const flashref::attention_problem p = fx.in.problem(o, lse);
+        flashref::problem_data d = fx.in;
+        const flashref::attention_problem p = d.problem();
+        auto& o = d.o;
+        auto& lse = d.lse;
         std::fill(o.begin(), o.end(), NAN);  // unwritten elements must show
         std::fill(lse.begin(), lse.end(), NAN);
         try {
@@ -117,9 +118,7 @@ TEST_CASE("the spec function reproduces every fixture row by row", "[fixtures][s
   for (const td::case_info& c : td::cases()) {
     CAPTURE(c.name);
     const td::fixture fx = load(c.name);
-    xt::xtensor<float, 4> o32;
-    xt::xtensor<float, 3> lse32;
-    const flashref::attention_problem p = fx.in.problem(o32, lse32);
+    const flashref::attention_problem p = fx.in.inputs();
     std::vector<double> o, lse;
     for (std::int64_t b = 0; b < p.batch(); ++b)
       for (std::int64_t h = 0; h < p.heads_q(); ++h)
@@ -146,9 +145,7 @@ TEST_CASE("spec cases: one query, and the spec function's trace equals the store
     CHECK(fx.trace.has_value() == is_spec_case(c.name));
     if (!fx.trace) continue;
     ++spec_cases;
-    xt::xtensor<float, 4> o;
-    xt::xtensor<float, 3> lse;
-    const flashref::attention_problem p = fx.in.problem(o, lse);
+    const flashref::attention_problem p = fx.in.inputs();
     REQUIRE(p.batch() == 1);
     REQUIRE(p.heads_q() == 1);
     REQUIRE(p.heads_k() == 1);
@@ -257,10 +254,7 @@ TEST_CASE("the other cases pin what their names say", "[fixtures]") {
     CHECK(fx.in.q.shape(2) % std::size_t(fx.in.opt.block_q) != 0);  // a partial tail block
     fx.in.opt.block_mask = {};
     fx.in.opt.block_q = fx.in.opt.block_k = 0;
-    xt::xtensor<float, 4> o;
-    xt::xtensor<float, 3> lse;
-    const flashref::reference::golden dense =
-        flashref::reference::naive_attention(fx.in.problem(o, lse));
+    const flashref::reference::golden dense = flashref::reference::naive_attention(fx.in.inputs());
     CHECK(dense.o == fx.golden.o);
     CHECK(dense.lse == fx.golden.lse);
   }
@@ -431,10 +425,7 @@ TEST_CASE("every float32 case but the spec cases has a bfloat16 and a float16 tw
       for (std::size_t r = 0; r < base.golden.lse.size(); ++r)
         CHECK((twin.golden.lse[r] == -INFINITY) == (base.golden.lse[r] == -INFINITY));
       // Golden values of the stored (rounded) inputs, with the half tolerance.
-      xt::xtensor<float, 4> o;
-      xt::xtensor<float, 3> lse;
-      const flashref::reference::golden g =
-          flashref::reference::naive_attention(twin.in.problem(o, lse));
+      const flashref::reference::golden g = flashref::reference::naive_attention(twin.in.inputs());
       CHECK(g.o == twin.golden.o);
       CHECK(g.lse == twin.golden.lse);
       CHECK(twin.tol.rtol == flashref::default_tolerance(dtype, 1.0).rtol);

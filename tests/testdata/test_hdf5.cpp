@@ -297,7 +297,7 @@ TEST_CASE("problem files as h5py and other tools write them", "[hdf5]") {
     r.fixed_string_attr("causal", "top_left", 16, H5T_STR_NULLPAD);
     r.fixed_string_attr("input_dtype", "float16", 12, H5T_STR_SPACEPAD);
   }
-  const td::problem_inputs in = td::read_problem(path);
+  const flashref::problem_data in = td::read_problem(path);
   CHECK(in.q.shape(1) == 2);
   CHECK(in.k.shape(1) == 1);  // MQA
   CHECK(in.q(0, 1, 3, 7) == q.back());
@@ -318,7 +318,7 @@ TEST_CASE("problem files as h5py and other tools write them", "[hdf5]") {
       write_minimal_problem(f);
       f.close();
     }
-    const td::problem_inputs bare = td::read_problem(dir / "bare.h5");
+    const flashref::problem_data bare = td::read_problem(dir / "bare.h5");
     CHECK_FALSE(bare.opt.scale.has_value());
     CHECK(bare.opt.causal == flashref::causal_mode::none);
     CHECK(bare.opt.window_left == -1);

@@ -3,13 +3,10 @@
 // it chooses one and forwards. The meaning of every case is defined in reference/ (see
 // docs/semantics.md); every backend reproduces it within the tolerances stated there.
 
-#include <cstdint>
-#include <optional>
 #include <string>
 #include <vector>
 
-#include <xtensor/xtensor.hpp>
-
+#include "flashref/reference/data.hpp"
 #include "flashref/reference/merge.hpp"
 #include "flashref/reference/naive.hpp"
 #include "flashref/reference/problem.hpp"
@@ -28,6 +25,9 @@ struct backend_info {
   bool built;          // compiled into this library
   bool available;      // usable now (for CUDA: a device is present)
   std::string reason;  // why not, when unavailable
+  // The input dtypes the backend has a path of its own for (others it computes in float32);
+  // the conformance suite runs every one of them with that dtype's tolerance.
+  std::vector<input_dtype> dtypes;
 };
 
 // The concrete backends (reference, cpu, cuda), in that order.
@@ -40,23 +40,9 @@ backend resolve(backend b);
 // Computes p.o and p.lse; returns the backend that ran.
 backend attention(const attention_problem& p, backend b = backend::automatic);
 
-// --- xtensor convenience layer -----------------------------------------------------------
+// --- xtensor convenience layer (the options and the owning types live in reference/data.hpp)
 
-struct attention_options {
-  std::optional<double> scale;
-  causal_mode causal = causal_mode::none;
-  std::int64_t window_left = -1;
-  std::int64_t window_right = -1;
-  xt::xtensor<std::uint8_t, 4> block_mask;  // (Bm, Hm, nqb, nkb); empty = no block mask
-  std::int64_t block_q = 0;
-  std::int64_t block_k = 0;
-  std::vector<std::int32_t> kv_len;  // (B) or empty
-  input_dtype dtype = input_dtype::float32;
-};
-
-struct attention_result {
-  xt::xtensor<float, 4> o;    // (B, Hq, Lq, Dv)
-  xt::xtensor<float, 3> lse;  // (B, Hq, Lq)
+struct attention_result : attention_outputs {
   backend used = backend::reference;
 };
 
@@ -64,10 +50,5 @@ struct attention_result {
 attention_result attention(const xt::xtensor<float, 4>& q, const xt::xtensor<float, 4>& k,
                            const xt::xtensor<float, 4>& v, const attention_options& opt = {},
                            backend b = backend::automatic);
-
-// The problem descriptor over xtensor inputs and outputs (no copies).
-attention_problem make_problem(const xt::xtensor<float, 4>& q, const xt::xtensor<float, 4>& k,
-                               const xt::xtensor<float, 4>& v, const attention_options& opt,
-                               xt::xtensor<float, 4>& o, xt::xtensor<float, 3>& lse);
 
 }  // namespace flashref

@@ -118,6 +118,8 @@ struct attention_problem {
 // Throws problem_error naming the first offending field. A problem with zero-sized dimensions
 // is valid (an empty result, or rows with no visible key).
 void validate(const attention_problem& p);
+// The same, less the output views: for readers of the inputs such as the naive reference.
+void validate_inputs(const attention_problem& p);
 
 // Multiply-adds counted per SPEC §8: 2 * (D + Dv) per visible (query, key) pair.
 double dense_flops(const attention_problem& p);

@@ -16,8 +16,8 @@
 
 #include <xtensor/xtensor.hpp>
 
-#include "flashref/flashref.hpp"
 #include "flashref/reference/conformance.hpp"
+#include "flashref/reference/data.hpp"
 #include "flashref/reference/naive.hpp"
 #include "flashref/testdata/hdf5.hpp"
 
@@ -32,25 +32,15 @@ inline constexpr std::int64_t kSpecTile = 4;
 // the identity. Integer arithmetic only, so the result is the same everywhere.
 float round_to(input_dtype dtype, float x);
 
-// The inputs of a problem: tensors and options, owning their storage.
-struct problem_inputs {
-  xt::xtensor<float, 4> q;  // (B, Hq, Lq, D)
-  xt::xtensor<float, 4> k;  // (B, Hk, Lk, D)
-  xt::xtensor<float, 4> v;  // (B, Hk, Lk, Dv)
-  attention_options opt;    // scale, masks, kv_len, input dtype
-
-  // The problem over this storage, with o and lse allocated as its outputs. Validated.
-  attention_problem problem(xt::xtensor<float, 4>& o, xt::xtensor<float, 3>& lse) const;
-};
-
 // Reads a problem file (SPEC §7): /inputs/q, k, v of any float type; /inputs/block_mask
 // (uint8, any integer type or h5py's bool) when block_q > 0; /inputs/kv_len (any integer
 // type) when present. Every root attribute is optional: scale = 1/sqrt(D), causal = none,
 // window_left = window_right = -1, block_q = block_k = 0, input_dtype = float32. Other groups
-// (/golden, /trace, ...) are ignored. The problem is validated; a bfloat16/float16 input_dtype
+// (/golden, /trace, ...) are ignored. The tensors are stored [B, H, L, D]; O and LSE are
+// allocated. The problem is validated; a bfloat16/float16 input_dtype
 // requires every input value to be representable in it. Throws problem_error naming the file.
-problem_inputs read_problem(const h5::file& f);
-problem_inputs read_problem(const std::filesystem::path& path);
+problem_data read_problem(const h5::file& f);
+problem_data read_problem(const std::filesystem::path& path);
 
 // What the spec function did, tile by tile, on the single row of a spec case.
 struct spec_trace {
@@ -65,8 +55,8 @@ struct fixture {
   std::string description;  // what it pins, one line
   std::string generator;    // tool and version that wrote it
   std::uint64_t seed = 0;
-  std::string twin_of;  // a half-precision twin: the float32 case it rounds; else empty
-  problem_inputs in;
+  std::string twin_of;              // a half-precision twin: the float32 case it rounds; else empty
+  problem_data in;                  // inputs and options; its outputs are unused
   tolerance tol;                    // atol (already scaled by max|V|), rtol, atol_lse
   reference::golden golden;         // float64 o (B, Hq, Lq, Dv) and lse (B, Hq, Lq)
   std::optional<spec_trace> trace;  // spec cases only
@@ -94,7 +84,7 @@ spec_row spec_row_of(const attention_problem& p, std::int64_t b, std::int64_t h,
 // (float32), the block mask, kv_len, the resolved scale, the masks' options and input_dtype.
 // 16 hex digits of FNV-1a (64-bit) over a fixed byte layout (docs/fixtures.md); `flashref run`
 // records it in a result so that `flashref check` can refuse a result of other inputs.
-std::string inputs_digest(const problem_inputs& in);
+std::string inputs_digest(const problem_data& in);
 
 // What a result file says about itself, read before its datasets: where it comes from (root
 // attributes, all optional — other tools' files carry none) and how /o and /lse are stored.

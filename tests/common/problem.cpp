@@ -1,7 +1,10 @@
-#include "owned_problem.hpp"
+#include "problem.hpp"
 
 #include <cmath>
 #include <sstream>
+
+#include "flashref/testdata/fixture.hpp"
+#include "flashref/testdata/random.hpp"
 
 namespace flashref::test {
 
@@ -11,65 +14,67 @@ std::string problem_shape::describe() const {
      << " Dv=" << Dv << (blhd ? " blhd" : " bhld") << " causal=" << to_string(causal) << " window=("
      << window_left << "," << window_right << ") block=" << block_q << "x" << block_k
      << " density=" << block_density << (mask_broadcast_b ? " bcastB" : "")
-     << (mask_broadcast_h ? " bcastH" : "") << (use_kv_len ? " kv_len" : "");
+     << (mask_broadcast_h ? " bcastH" : "") << (use_kv_len ? " kv_len" : "")
+     << " value_scale=" << value_scale;
   return os.str();
 }
 
-owned_problem::owned_problem(const problem_shape& s, std::uint64_t seed) : shape(s) {
+problem_data random_problem(const problem_shape& s, std::uint64_t seed) {
   const testdata::counter_rng r(seed, 100), rm(seed, 101), rl(seed, 102);
   std::uint64_t n = 0;
-  auto fill = [&](std::vector<float>& x, std::int64_t count) {
-    x.resize(std::size_t(count));
+  auto fill = [&](std::int64_t H, std::int64_t L, std::int64_t W) {
+    const auto shape = s.blhd ? std::array<std::size_t, 4>{std::size_t(s.B), std::size_t(L),
+                                                           std::size_t(H), std::size_t(W)}
+                              : std::array<std::size_t, 4>{std::size_t(s.B), std::size_t(H),
+                                                           std::size_t(L), std::size_t(W)};
+    auto x = xt::xtensor<float, 4>::from_shape(shape);
     for (auto& e : x)
       e = float(s.value_scale * r.normal(n++));
+    return x;
   };
-  fill(q, s.B * s.Hq * s.Lq * s.D);
-  fill(k, s.B * s.Hk * s.Lk * s.D);
-  fill(v, s.B * s.Hk * s.Lk * s.Dv);
-  o.assign(std::size_t(s.B * s.Hq * s.Lq * s.Dv), 0.f);
-  lse.assign(std::size_t(s.B * s.Hq * s.Lq), 0.f);
-
-  auto view = [&](auto* data, std::int64_t H, std::int64_t L, std::int64_t D) {
-    using T = std::remove_pointer_t<decltype(data)>;
-    return s.blhd ? from_blhd<T>(data, s.B, L, H, D) : contiguous<T, 4>(data, {s.B, H, L, D});
-  };
-  p.q = view(static_cast<const float*>(q.data()), s.Hq, s.Lq, s.D);
-  p.k = view(static_cast<const float*>(k.data()), s.Hk, s.Lk, s.D);
-  p.v = view(static_cast<const float*>(v.data()), s.Hk, s.Lk, s.Dv);
-  p.o = view(o.data(), s.Hq, s.Lq, s.Dv);
-  p.lse = contiguous<float, 3>(lse.data(), {s.B, s.Hq, s.Lq});
-  p.causal = s.causal;
-  p.window_left = s.window_left;
-  p.window_right = s.window_right;
+  problem_data d;
+  d.layout = s.blhd ? tensor_layout::blhd : tensor_layout::bhld;
+  d.q = fill(s.Hq, s.Lq, s.D);
+  d.k = fill(s.Hk, s.Lk, s.D);
+  d.v = fill(s.Hk, s.Lk, s.Dv);
+  attention_options& opt = d.opt;
+  opt.causal = s.causal;
+  opt.window_left = s.window_left;
+  opt.window_right = s.window_right;
   if (s.block_q > 0) {
     const std::int64_t mb = s.mask_broadcast_b ? 1 : s.B, mh = s.mask_broadcast_h ? 1 : s.Hq;
     const std::int64_t nqb = (s.Lq + s.block_q - 1) / s.block_q;
     const std::int64_t nkb = (s.Lk + s.block_k - 1) / s.block_k;
-    mask.resize(std::size_t(mb * mh * nqb * nkb));
-    for (std::size_t i = 0; i < mask.size(); ++i)
-      mask[i] = rm.uniform(i) < s.block_density;
-    static const std::uint8_t kNone = 0;
-    p.block_mask =
-        contiguous<const std::uint8_t, 4>(mask.empty() ? &kNone : mask.data(), {mb, mh, nqb, nkb});
-    p.block_q = s.block_q;
-    p.block_k = s.block_k;
+    opt.block_mask = xt::xtensor<std::uint8_t, 4>::from_shape(
+        {std::size_t(mb), std::size_t(mh), std::size_t(nqb), std::size_t(nkb)});
+    for (std::size_t i = 0; i < opt.block_mask.size(); ++i)
+      opt.block_mask.data()[i] = rm.uniform(i) < s.block_density;
+    opt.block_q = s.block_q;
+    opt.block_k = s.block_k;
   }
   if (s.use_kv_len) {
-    kv_len.resize(std::size_t(s.B));
+    opt.kv_len.resize(std::size_t(s.B));
     for (std::int64_t b = 0; b < s.B; ++b) {
       // Entry 0 sees no key at all; the others a random length, sometimes the full one.
       const double u = rl.uniform(std::uint64_t(b));
-      kv_len[std::size_t(b)] = b == 0 ? 0 : std::int32_t(std::floor(u * double(s.Lk + 1)));
+      opt.kv_len[std::size_t(b)] = b == 0 ? 0 : std::int32_t(std::floor(u * double(s.Lk + 1)));
     }
-    p.kv_len = kv_len.data();
   }
+  d.problem();  // allocates O and LSE
+  poison_outputs(d);
+  return d;
 }
 
-void owned_problem::poison_outputs() {
-  for (auto& x : o)
-    x = NAN;
-  for (auto& x : lse)
-    x = NAN;
+void poison_outputs(problem_data& d) {
+  d.o.fill(NAN);
+  d.lse.fill(NAN);
+}
+
+void round_inputs(problem_data& d, input_dtype dtype) {
+  for (auto* x : {&d.q, &d.k, &d.v})
+    for (float& e : *x)
+      e = testdata::round_to(dtype, e);
+  d.opt.dtype = dtype;
 }
 
 problem_shape random_shape(std::uint64_t seed) {

@@ -1,0 +1,48 @@
+#pragma once
+// The conformance catalogue, written once: the edge cases of SPEC §2 (first), every mask
+// combined, and random problems. The conformance suite runs it over every backend that
+// flashref::backends() lists; a backend's own tests run it over its variants (instruction
+// sets, kernels) through the same runner.
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "problem.hpp"
+
+namespace flashref::test {
+
+struct catalogue_case {
+  std::string name;  // what it pins
+  problem_shape shape;
+  std::uint64_t seed = 1;
+  // Q and K rounded to integers and scale 1, so that scores of magnitude 1e3..1e4 are exact in
+  // every dtype and only the softmax itself is judged.
+  bool integer_qk = false;
+};
+
+// Edge cases: zero sizes, lengths around common tile sizes, both causal alignments with more
+// and fewer queries than keys, windows (some empty), kv_len = 0, block masks (all empty,
+// sparse, all full, sizes that divide nothing, broadcast), GQA/MQA, [B, L, H, D], Dv != D,
+// head dims from 1 to 256, extreme scores, decode shapes.
+std::vector<catalogue_case> edge_cases();
+// Every mask alone and combined: causal x window x block mask x kv_len.
+std::vector<catalogue_case> combined_masks();
+// Random shapes and masks (random_shape), seeds first_seed .. first_seed + count - 1.
+std::vector<catalogue_case> random_cases(std::uint64_t first_seed, int count);
+
+// The problem of a case with inputs representable in `dtype` and poisoned outputs.
+problem_data build(const catalogue_case& c, input_dtype dtype);
+
+// Computes the outputs of a problem (a backend, or one variant of a backend).
+using runner = std::function<void(const attention_problem&)>;
+
+// Builds the case, runs it and requires it to meet the contract with `dtype`'s tolerance
+// (Catch2 assertions; the case and dtype are captured).
+void check_case(const catalogue_case& c, input_dtype dtype, const runner& run);
+
+// NaN in one input (q, k or v) reaches exactly the rows the golden result marks, never others.
+void check_nan_isolation(input_dtype dtype, const runner& run);
+
+}  // namespace flashref::test
