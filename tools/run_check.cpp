@@ -567,8 +567,9 @@ int run_check(const check_options& opt) {
     if (!opt.candidate.empty()) std::printf("candidate: %s\n", opt.candidate.c_str());
     print_table(rows);
     print_tolerances(rows);
-    std::printf("\n%zu checks: %lld pass, %lld fail, %lld could not be run", rows.size(),
-                (long long)n_pass, (long long)n_fail, (long long)n_error);
+    std::printf("\n%zu check%s: %lld pass, %lld fail, %lld could not be run", rows.size(),
+                rows.size() == 1 ? "" : "s", (long long)n_pass, (long long)n_fail,
+                (long long)n_error);
     if (!skipped.empty()) std::printf("; %zu skipped (no candidate)", skipped.size());
     std::printf("\n");
     const auto list = [](const char* what, const std::vector<std::string>& names) {
