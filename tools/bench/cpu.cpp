@@ -18,35 +18,40 @@
 #include <filesystem>
 #include <iomanip>
 #include <map>
-#include <nlohmann/json.hpp>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "bench.hpp"
-#include "commands.hpp"
+#include "../commands.hpp"
+#include "../io.hpp"
+#include "../svg.hpp"
 #include "flashref/cpu/attention.hpp"
-#include "flashref/flashref.hpp"
+#include "flashref/reference/data.hpp"
 #include "flashref/reference/mask.hpp"
+#include "flashref/reference/tiled.hpp"
 #include "flashref/testdata/random.hpp"
-#include "io.hpp"
-#include "svg.hpp"
+#include "grid.hpp"
+#include "record.hpp"
 
 namespace flashref::cli {
 
 namespace {
 
+// SPEC §8 on a 2-core machine: B · L = 4096 tokens so that a grid point runs in seconds.
+bench_grid cpu_grid() {
+  bench_grid g;
+  g.lengths = {512, 1024, 2048, 4096};
+  g.masks = {"dense", "causal", "block_sparse", "local_window"};
+  g.tokens = 4096;
+  return g;
+}
+
 struct bench_options {
   std::vector<std::string> backends{"cpu"};
-  std::vector<std::int64_t> lengths{512, 1024, 2048, 4096};
-  std::vector<std::int64_t> head_dims{64, 128};
-  std::vector<std::string> masks{"dense", "causal", "block_sparse", "local_window"};
-  std::vector<double> densities{0.5, 0.2, 0.05};
-  std::int64_t tokens = 4096;  // B · L on the grid
-  std::int64_t model = 2048;   // Hq · D on the grid
-  bool targets = true;         // the target points (D = 128, L = 4096, 8 heads; decode)
-  bool baselines = true;       // peak FMA, copy bandwidth, OpenBLAS naive, reference
-  double seconds = 0.3;        // timed repetitions per point fill about this long
+  bench_grid grid = cpu_grid();
+  bool targets = true;    // the target points (D = 128, L = 4096, 8 heads; decode)
+  bool baselines = true;  // peak FMA, copy bandwidth, OpenBLAS naive, reference
+  double seconds = 0.3;   // timed repetitions per point fill about this long
   std::string isa = "automatic";
   std::int64_t tile_q = 0, tile_k = 0;  // the CPU kernels' tiles; 0 = the instruction set's default
   std::string json, plot;
@@ -110,13 +115,15 @@ void make_data(bench_data& d, const bench_point& pt, std::uint64_t seed) {
     opt.window_left = opt.window_right = pt.window;
     d.density = -1;
   } else if (pt.mask == "block_sparse") {
-    // Block (h, qb, kb) is visible with probability `density`, broadcast over the batch.
-    const std::int64_t nqb = (Lq + pt.block - 1) / pt.block, nkb = (Lk + pt.block - 1) / pt.block;
-    const testdata::counter_rng r(seed, 3);
+    // The grid's mask (as on the GPU), broadcast over the batch; square points only.
+    if (Lq != Lk)
+      throw problem_error("block_sparse: expected Lq = Lk, got " + std::to_string(Lq) + " and " +
+                          std::to_string(Lk));
+    const std::int64_t nb = (Lq + pt.block - 1) / pt.block;
+    const std::vector<std::uint8_t> m = block_sparse_mask(Hq, Lq, pt.block, pt.density, seed);
     opt.block_mask = xt::xtensor<std::uint8_t, 4>::from_shape(
-        {1, std::size_t(Hq), std::size_t(nqb), std::size_t(nkb)});
-    for (std::size_t i = 0; i < opt.block_mask.size(); ++i)
-      opt.block_mask.data()[i] = r.uniform(i) < pt.density;
+        {1, std::size_t(Hq), std::size_t(nb), std::size_t(nb)});
+    std::copy(m.begin(), m.end(), opt.block_mask.begin());
     opt.block_q = opt.block_k = pt.block;
     d.density = -1;
   }
@@ -249,39 +256,6 @@ void print_record(const bench_record& r) {
   std::fflush(stdout);
 }
 
-nlohmann::json to_json(const bench_record& r) {
-  const bench_point& p = r.point;
-  nlohmann::json j = {{"backend", r.backend},
-                      {"B", p.B},
-                      {"Hq", p.Hq},
-                      {"Hk", p.Hk},
-                      {"Lq", p.Lq},
-                      {"Lk", p.Lk},
-                      {"D", p.D},
-                      {"Dv", p.Dv},
-                      {"mask", p.mask},
-                      {"density", p.density},
-                      {"threads", r.threads},
-                      {"median_s", r.median_s},
-                      {"flops", r.flops},
-                      {"gflops", r.gflops},
-                      {"dtype", p.dtype}};
-  if (p.mask == "none") {  // a machine baseline
-    for (const char* key : {"B", "Hq", "Hk", "Lq", "Lk", "D", "Dv", "density"})
-      j.erase(key);
-  }
-  if (p.mask == "block_sparse") j["block"] = p.block;
-  if (p.mask == "local_window") j["window"] = p.window;
-  if (!r.isa.empty()) j["isa"] = r.isa;
-  if (r.peak_fraction > 0) j["peak_fraction"] = r.peak_fraction;
-  if (r.vs_naive > 0) j["vs_openblas_naive"] = r.vs_naive;
-  if (r.vs_reference > 0) j["vs_reference"] = r.vs_reference;
-  if (r.vs_dense > 0) j["time_vs_dense"] = r.vs_dense;
-  if (r.gbps > 0) j["gbps"] = r.gbps;
-  if (!r.note.empty()) j["note"] = r.note;
-  return j;
-}
-
 // GFLOP/s against sequence length, one line per (mask, head dim), for the cpu backend's grid
 // points; the measured peak as a dashed line.
 std::string plot_svg(const std::vector<bench_record>& recs, const std::vector<double>& densities,
@@ -386,25 +360,9 @@ int run_bench(const bench_options& opt) {
           "backend: expected cpu or reference (the GPU grid is `flashref bench-gpu`), got '" + b +
           "'");
   }
-  for (const std::string& m : opt.masks) {
-    if (m != "dense" && m != "causal" && m != "block_sparse" && m != "local_window")
-      throw problem_error("masks: expected dense, causal, block_sparse or local_window, got '" + m +
-                          "'");
-  }
-  for (std::int64_t L : opt.lengths)
-    if (L < 1) throw problem_error("lengths: expected positive lengths, got " + std::to_string(L));
-  for (std::int64_t D : opt.head_dims)
-    if (D < 1 || opt.model % D != 0)  // Hq = model / D heads
-      throw problem_error("head-dims: expected divisors of --model " + std::to_string(opt.model) +
-                          ", got " + std::to_string(D));
-  if (opt.tokens < 1)
-    throw problem_error("tokens: expected >= 1, got " + std::to_string(opt.tokens));
-  for (const std::string* out : {&opt.json, &opt.plot}) {  // fail before the grid, not after
-    const std::filesystem::path dir = std::filesystem::path(*out).parent_path();
-    if (!out->empty() && !dir.empty() && !std::filesystem::is_directory(dir))
-      throw problem_error(*out + ": expected a file in an existing folder, got no folder '" +
-                          dir.string() + "'");
-  }
+  opt.grid.validate({"dense", "causal", "block_sparse", "local_window"});
+  check_output_path(opt.json);
+  check_output_path(opt.plot);
   cpu::options copt;
   copt.instruction_set = cpu::parse_isa(opt.isa);
   copt.tile_q = opt.tile_q;
@@ -449,27 +407,8 @@ int run_bench(const bench_options& opt) {
 
   // The points: the grid (tokens, model) and the targets.
   std::vector<std::pair<bench_point, std::string>> points;
-  for (std::int64_t D : opt.head_dims) {
-    for (std::int64_t L : opt.lengths) {
-      bench_point base;
-      base.B = std::max<std::int64_t>(1, opt.tokens / L);
-      base.Hq = base.Hk = opt.model / D;
-      base.Lq = base.Lk = L;
-      base.D = base.Dv = D;
-      for (const std::string& m : opt.masks) {
-        bench_point pt = base;
-        pt.mask = m;
-        if (m != "block_sparse") {
-          points.push_back({pt, "grid"});
-          continue;
-        }
-        for (double dens : opt.densities) {
-          pt.density = dens;
-          points.push_back({pt, "grid"});
-        }
-      }
-    }
-  }
+  for (const bench_point& pt : opt.grid.points("float32"))
+    points.push_back({pt, "grid"});
   if (opt.targets) {
     bench_point t;
     t.B = 1, t.Hq = t.Hk = 8, t.Lq = t.Lk = 4096, t.D = t.Dv = 128;
@@ -588,13 +527,8 @@ int run_bench(const bench_options& opt) {
     recs.push_back(ours);
   }
 
-  if (!opt.json.empty()) {
-    nlohmann::json j = nlohmann::json::array();
-    for (const bench_record& r : recs)
-      j.push_back(to_json(r));
-    write_text_atomically(opt.json, j.dump(1) + "\n");
-  }
-  if (!opt.plot.empty()) write_text_atomically(opt.plot, plot_svg(recs, opt.densities, peak));
+  if (!opt.json.empty()) write_records(opt.json, recs);
+  if (!opt.plot.empty()) write_text_atomically(opt.plot, plot_svg(recs, opt.grid.densities, peak));
   if (!ok) std::fprintf(stderr, "flashref bench: NaN in an output\n");
   return ok ? 0 : 1;
 }
@@ -607,14 +541,14 @@ void add_bench(CLI::App& app, exit_slot status) {
       "bench",
       "CPU benchmark grid (SPEC §8) with peak-FMA, OpenBLAS-naive and reference baselines");
   cmd->add_option("--backend", opt->backends, "backends to time: cpu, reference")->delimiter(',');
-  cmd->add_option("--lengths", opt->lengths, "sequence lengths L (B = tokens / L)")->delimiter(',');
-  cmd->add_option("--head-dims", opt->head_dims, "head dims D (Hq = model / D)")->delimiter(',');
-  cmd->add_option("--masks", opt->masks, "dense, causal, block_sparse, local_window")
+  bench_grid& g = opt->grid;
+  cmd->add_option("--lengths", g.lengths, "sequence lengths L (B = tokens / L)")->delimiter(',');
+  cmd->add_option("--head-dims", g.head_dims, "head dims D (Hq = model / D)")->delimiter(',');
+  cmd->add_option("--masks", g.masks, "dense, causal, block_sparse, local_window")->delimiter(',');
+  cmd->add_option("--densities", g.densities, "block-sparse densities (128x128 blocks)")
       ->delimiter(',');
-  cmd->add_option("--densities", opt->densities, "block-sparse densities (128x128 blocks)")
-      ->delimiter(',');
-  cmd->add_option("--tokens", opt->tokens, "B * L on the grid");
-  cmd->add_option("--model", opt->model, "Hq * D on the grid");
+  cmd->add_option("--tokens", g.tokens, "B * L on the grid");
+  cmd->add_option("--model", g.model, "Hq * D on the grid");
   cmd->add_option("--seconds", opt->seconds, "timed seconds per point (at least 3 runs)");
   cmd->add_option("--isa", opt->isa, "CPU instruction set: automatic, portable, avx2, avx512");
   cmd->add_option("--tile-q", opt->tile_q, "CPU query tile (0: the instruction set's default)");
