@@ -15,7 +15,8 @@ Two steps, so that the table is a pure function of the measurements:
           same JSON gives the same page, byte for byte.
 
 usage: conformance_report.py run --flashref BIN --fixtures DIR --out DIR [--ours cpu cuda]
-                                 [--only NAME ...] [--budget-s S] [--markdown FILE]
+                                 [--only NAME ...] [--budget-s S] [--candidates DIR]
+                                 [--markdown FILE]
        conformance_report.py render JSON [--out MD] [--markdown FILE]
 """
 import argparse
@@ -275,9 +276,17 @@ def environment():
 
 
 def run(args):
+    import tempfile
+
     import torch
     start = time.time()
-    os.makedirs(os.path.join(args.out, "candidates"), exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
+    scratch = None
+    if args.candidates:
+        os.makedirs(args.candidates, exist_ok=True)
+    else:  # the candidate files are only kept on request: the JSON holds every verdict
+        scratch = tempfile.TemporaryDirectory(prefix="conformance-candidates-")
+        args.candidates = scratch.name
     fixtures = {}
     for p in sorted(os.listdir(args.fixtures)):
         if p.endswith(".h5"):
@@ -302,7 +311,7 @@ def run(args):
                 cell.update(status="not run", reason="time budget")
                 continue
             path = os.path.join(args.fixtures, case + ".h5")
-            cand = os.path.join(args.out, "candidates", f"{name}__{case}.h5")
+            cand = os.path.join(args.candidates, f"{name}__{case}.h5")
             try:
                 o, lse = fn(load_case(path), torch_dtype(dtype))
                 if torch.cuda.is_available():
@@ -327,8 +336,10 @@ def run(args):
             if dtype != "float32" and be != "cuda":
                 continue  # the CPU computes in float32 whatever the inputs
             name = f"flashref-{be}" + ("" if dtype == "float32" else "-" + SHORT[dtype])
-            impls.append({"name": name, "dtype": dtype,
-                          "what": f"this library's {be} backend, for comparison"})
+            what = f"this library's {be} backend, for comparison"
+            if dtype != "float32":
+                what += " (tensor cores where D = Dv is 64 or 128)"
+            impls.append({"name": name, "dtype": dtype, "what": what})
             for case in runs_on(dtype):
                 _, _, twin = fixtures[case]
                 cell = {"implementation": name, "fixture": case,
@@ -485,7 +496,9 @@ def main():
     r.add_argument("--out", required=True)
     r.add_argument("--markdown", help="a page whose generated part is replaced")
     r.add_argument("--only", nargs="*", help="implementations to run (default: all)")
-    r.add_argument("--budget-s", type=float, default=420, help="stop starting new work after this")
+    r.add_argument("--budget-s", type=float, default=360,
+                   help="stop starting new implementation runs after this many seconds")
+    r.add_argument("--candidates", help="keep the candidate result files in this folder")
     r.add_argument("--ours", nargs="*", default=[],
                    help="our backends to judge alongside (e.g. cpu cuda), as flashref-<name>")
     g = sub.add_parser("render", help="the Markdown of a conformance.json")
