@@ -352,6 +352,13 @@ TEST_CASE("cli: check shows the candidate's dtype, the tolerances, errors in the
                                     "float32 fixture's tolerance") &&
                            Contains("extreme_scores_bf16 or extreme_scores_fp16"));
 
+  // A float16 /lse is named the same way.
+  flashref::test::write_result_as(dir / "half_lse.h5", back, H5T_IEEE_F32LE, f16.id);
+  const outcome half_lse = check_candidate("extreme_scores", dir / "half_lse.h5");
+  CAPTURE(half_lse.out, half_lse.err);
+  CHECK(half_lse.rc == 1);
+  CHECK_THAT(half_lse.out, Contains("float32/float16") && Contains("(/lse in float16)"));
+
   // O rounded to bfloat16 but stored as float32: recognised from the values.
   xt::xtensor<float, 4> o = r.o;
   for (float& x : o)
