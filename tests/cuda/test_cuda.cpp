@@ -1,6 +1,8 @@
 // The CUDA backend against the naive float64 reference: the float32 SIMT path and the bf16 /
-// fp16 tensor-core path, every mask alone and combined, edge cases first, then random
-// problems; the device-pointer entry; determinism; tiles with no visible key are never read.
+// fp16 tensor-core paths (the Hopper kernel on a compute capability 9.0 device, the mma.sync
+// kernel everywhere), each forced in turn, every mask alone and combined, edge cases first, then
+// random problems; the device-pointer entry; determinism; tiles with no visible key are never
+// read.
 #include <catch2/catch.hpp>
 
 #include <cuda_runtime_api.h>
@@ -42,13 +44,44 @@ void cuda_check(cudaError_t e) {
   REQUIRE(std::string(cudaGetErrorString(e)) == "no error");
 }
 
+// Can the Hopper kernel run here (compute capability 9.0)?
+bool hopper_device() {
+  int device = 0, major = 0, minor = 0;
+  cuda_check(cudaGetDevice(&device));
+  cuda_check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  cuda_check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+  return major == 9 && minor == 0;
+}
+
+// The half-precision kernels, each forced: the Hopper kernel only where it can run.
+std::vector<fc::kernel_choice> half_kernels() {
+  std::vector<fc::kernel_choice> k{fc::kernel_choice::tensor_core};
+  if (hopper_device()) k.push_back(fc::kernel_choice::hopper);
+  return k;
+}
+
+const char* name_of(fc::kernel_choice k) {
+  switch (k) {
+    case fc::kernel_choice::hopper:
+      return "hopper";
+    case fc::kernel_choice::tensor_core:
+      return "tensor_core";
+    case fc::kernel_choice::simt:
+      return "simt";
+    case fc::kernel_choice::automatic:
+      break;
+  }
+  return "automatic";
+}
+
 // Runs the host entry with inputs rounded to `dtype` and judges the result with that dtype's
 // tolerance.
 // integer_qk: Q and K rounded to integers and scale 1, so that even scores of magnitude
 // 1e3..1e4 are exact in float32 and only the softmax itself is judged.
 void run_and_check(const problem_shape& s, std::uint64_t seed, input_dtype dtype,
-                   bool integer_qk = false) {
-  CAPTURE(s.describe(), seed, flashref::to_string(dtype), integer_qk);
+                   bool integer_qk = false,
+                   fc::kernel_choice kernel = fc::kernel_choice::automatic) {
+  CAPTURE(s.describe(), seed, flashref::to_string(dtype), integer_qk, name_of(kernel));
   owned_problem op(s, seed);
   if (integer_qk) {
     for (auto* x : {&op.q, &op.k})
@@ -59,12 +92,17 @@ void run_and_check(const problem_shape& s, std::uint64_t seed, input_dtype dtype
   round_inputs(dtype, op);
   op.p.dtype = dtype;
   op.poison_outputs();
-  fc::attention(op.p);
+  fc::attention(op.p, kernel);
   FLASHREF_REQUIRE_CONFORMS(check_against_naive(op, dtype));
 }
 
-// The edge cases of SPEC §2 at head dims d, dv; run for every dtype given.
-void edge_cases(std::int64_t d, std::int64_t dv, input_dtype dtype) {
+// The edge cases of SPEC §2 at head dims d, dv; run for every dtype given, on `kernel`.
+void edge_cases(std::int64_t d, std::int64_t dv, input_dtype dtype,
+                fc::kernel_choice kernel = fc::kernel_choice::automatic) {
+  auto run_and_check = [kernel](const problem_shape& s, std::uint64_t seed, input_dtype dt,
+                                bool integer_qk = false) {
+    ::run_and_check(s, seed, dt, integer_qk, kernel);
+  };
   problem_shape s;
   s.D = d, s.Dv = dv;
   SECTION("zero-sized dimensions") {
@@ -79,7 +117,7 @@ void edge_cases(std::int64_t d, std::int64_t dv, input_dtype dtype) {
   }
   SECTION("lengths around the tile sizes") {
     for (std::int64_t lq : {1, 31, 64, 65, 129}) {
-      for (std::int64_t lk : {1, 33, 64, 127, 200}) {
+      for (std::int64_t lk : {1, 33, 64, 127, 200, 257}) {
         s.Lq = lq, s.Lk = lk;
         run_and_check(s, 2, dtype);
       }
@@ -149,10 +187,20 @@ TEST_CASE("cuda float32 path: Dv != D", "[cuda][simt][race]") {
   edge_cases(d, dv, input_dtype::float32);
 }
 
-TEST_CASE("cuda tensor cores: edge cases", "[cuda][tensor_core][race]") {
+TEST_CASE("cuda tensor cores (mma.sync): edge cases", "[cuda][tensor_core][race]") {
   const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float16);
   const std::int64_t d = GENERATE(64, 128);
-  edge_cases(d, d, dtype);
+  edge_cases(d, d, dtype, fc::kernel_choice::tensor_core);
+}
+
+TEST_CASE("cuda Hopper kernel: edge cases", "[cuda][hopper][race]") {
+  if (!hopper_device()) {
+    WARN("skipped: the Hopper kernel needs compute capability 9.0");
+    return;
+  }
+  const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float16);
+  const std::int64_t d = GENERATE(64, 128);
+  edge_cases(d, d, dtype, fc::kernel_choice::hopper);
 }
 
 TEST_CASE("cuda half inputs without a tensor-core kernel fall back to float32", "[cuda]") {
@@ -170,13 +218,15 @@ TEST_CASE("cuda float32 path: random problems", "[cuda][simt][random]") {
   }
 }
 
-TEST_CASE("cuda tensor cores: random problems", "[cuda][tensor_core][random]") {
+TEST_CASE("cuda tensor cores: random problems", "[cuda][tensor_core][hopper][random]") {
   const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float16);
-  for (std::uint64_t seed = 1; seed <= 50; ++seed) {
-    problem_shape s = flashref::test::random_shape(seed);
-    s.D = s.Dv = seed % 2 == 0 ? 64 : 128;
-    s.Lq *= 2, s.Lk *= 2;  // several tiles of the kernel
-    run_and_check(s, seed, dtype);
+  for (const fc::kernel_choice kernel : half_kernels()) {
+    for (std::uint64_t seed = 1; seed <= 50; ++seed) {
+      problem_shape s = flashref::test::random_shape(seed);
+      s.D = s.Dv = seed % 2 == 0 ? 64 : 128;
+      s.Lq *= 2, s.Lk *= 2;  // several tiles of the kernel
+      run_and_check(s, seed, dtype, /*integer_qk=*/false, kernel);
+    }
   }
 }
 
@@ -218,8 +268,8 @@ float from_bf16_bits(std::uint16_t b) {
 }
 
 // The device entry on bf16 data stored [B, L, H, D] with bf16 output [B, L, H, Dv].
-std::vector<float> run_device_entry(const owned_problem& op, cudaStream_t stream,
-                                    std::vector<float>* lse_out) {
+std::vector<float> run_device_entry(const owned_problem& op, fc::kernel_choice kernel,
+                                    cudaStream_t stream, std::vector<float>* lse_out) {
   const auto& s = op.shape;
   auto to_bits = [](const std::vector<float>& x) {
     std::vector<std::uint16_t> out(x.size());
@@ -260,7 +310,8 @@ std::vector<float> run_device_entry(const owned_problem& op, cudaStream_t stream
     dp.kv_len = static_cast<const std::int32_t*>(
         dc.upload(op.kv_len.data(), op.kv_len.size() * sizeof(std::int32_t)));
   }
-  REQUIRE(std::string(fc::kernel_for(dp)) == "tensor_core");
+  dp.kernel = kernel;
+  REQUIRE(std::string(fc::kernel_for(dp)) == name_of(kernel));
   fc::attention(dp, stream);
   cuda_check(cudaStreamSynchronize(stream));
   std::vector<std::uint16_t> o_bits(o_count);
@@ -286,13 +337,15 @@ TEST_CASE("cuda device entry: bf16 in and out, [B, L, H, D] storage, a stream", 
   s.causal = causal_mode::bottom_right;
   s.block_q = 40, s.block_k = 72, s.block_density = 0.5, s.use_kv_len = true;
   s.blhd = true;  // the host copies are stored [B, L, H, D], as the device ones
-  CAPTURE(s.describe());
+  const std::vector<fc::kernel_choice> kernels = half_kernels();
+  const fc::kernel_choice kernel = GENERATE_COPY(from_range(kernels));
+  CAPTURE(s.describe(), name_of(kernel));
   owned_problem op(s, 21);
   round_inputs(input_dtype::bfloat16, op);
   cudaStream_t stream = nullptr;
   cuda_check(cudaStreamCreate(&stream));
   std::vector<float> lse;
-  const std::vector<float> o = run_device_entry(op, stream, &lse);
+  const std::vector<float> o = run_device_entry(op, kernel, stream, &lse);
   cuda_check(cudaStreamDestroy(stream));
   const flashref::reference::golden g = flashref::reference::naive_attention(op.p);
   double max_v = 0;
@@ -307,14 +360,17 @@ TEST_CASE("cuda is bitwise deterministic from run to run", "[cuda][big]") {
   s.B = 2, s.Hq = 8, s.Hk = 4, s.Lq = 1500, s.Lk = 2100, s.D = s.Dv = 128;
   s.block_q = 128, s.block_k = 128, s.block_density = 0.3, s.causal = causal_mode::bottom_right;
   const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float32);
-  CAPTURE(flashref::to_string(dtype));
+  std::vector<fc::kernel_choice> kernels{fc::kernel_choice::simt};
+  if (dtype != input_dtype::float32) kernels = half_kernels();
+  const fc::kernel_choice kernel = GENERATE_COPY(from_range(kernels));
+  CAPTURE(flashref::to_string(dtype), name_of(kernel));
   owned_problem op(s, 31);
   round_inputs(dtype, op);
   op.p.dtype = dtype;
-  fc::attention(op.p);
+  fc::attention(op.p, kernel);
   const std::vector<float> o1 = op.o, lse1 = op.lse;
   op.poison_outputs();
-  fc::attention(op.p);
+  fc::attention(op.p, kernel);
   REQUIRE(std::memcmp(o1.data(), op.o.data(), o1.size() * sizeof(float)) == 0);
   REQUIRE(std::memcmp(lse1.data(), op.lse.data(), lse1.size() * sizeof(float)) == 0);
 }
@@ -326,7 +382,10 @@ TEST_CASE("cuda never reads key tiles with no visible key", "[cuda][race]") {
   s.Hq = 2, s.Lq = 384, s.Lk = 384, s.block_q = 128, s.block_k = 64, s.block_density = 0.7;
   s.D = s.Dv = GENERATE(64, 128);
   const input_dtype dtype = GENERATE(input_dtype::float32, input_dtype::bfloat16);
-  CAPTURE(s.D, flashref::to_string(dtype));
+  std::vector<fc::kernel_choice> kernels{fc::kernel_choice::simt};
+  if (dtype != input_dtype::float32) kernels = half_kernels();
+  const fc::kernel_choice kernel = GENERATE_COPY(from_range(kernels));
+  CAPTURE(s.D, flashref::to_string(dtype), name_of(kernel));
   owned_problem op(s, 41);
   round_inputs(dtype, op);
   op.p.dtype = dtype;
@@ -348,7 +407,7 @@ TEST_CASE("cuda never reads key tiles with no visible key", "[cuda][race]") {
       op.v[std::size_t(j * s.Dv + d)] = NAN;
   }
   op.poison_outputs();
-  fc::attention(op.p);
+  fc::attention(op.p, kernel);
   const flashref::conformance_report r = check_against_naive(op, dtype);
   CHECK(r.empty_rows == 2 * 128);
   FLASHREF_REQUIRE_CONFORMS(r);
@@ -395,9 +454,17 @@ TEST_CASE("cuda device entry: kernel choice and errors name the field", "[cuda]"
   dp.o = {nullptr, shape, stride};
   dp.input = input_dtype::bfloat16;
   dp.o.data = const_cast<float*>(kDummy);
+  CHECK(std::string(fc::kernel_for(dp)) == (hopper_device() ? "hopper" : "tensor_core"));
+  dp.kernel = fc::kernel_choice::tensor_core;
   CHECK(std::string(fc::kernel_for(dp)) == "tensor_core");
+  dp.kernel = fc::kernel_choice::simt;
+  CHECK(std::string(fc::kernel_for(dp)) == "simt");
+  dp.kernel = fc::kernel_choice::automatic;
   dp.input = input_dtype::float32;
   CHECK(std::string(fc::kernel_for(dp)) == "simt");
+  dp.kernel = fc::kernel_choice::hopper;  // float32 input: no tensor-core kernel takes it
+  REQUIRE_THROWS_WITH(fc::kernel_for(dp), Catch::Contains("kernel: expected a problem the hopper"));
+  dp.kernel = fc::kernel_choice::automatic;
 
   dp.input = input_dtype::bfloat16;
   dp.q.stride = {2048, 1024, 1, 16};  // not unit stride along D: the SIMT kernel
@@ -436,17 +503,25 @@ TEST_CASE("cuda passes every golden fixture, float32 and half-precision paths",
     const flashref::testdata::fixture fx = flashref::testdata::read_fixture(dir / (c.name + ".h5"));
     // Every fixture on the float32 kernel; half-precision fixtures also on their own dtype
     // (the tensor-core kernel where the head dims allow).
-    std::vector<input_dtype> runs{input_dtype::float32};
-    if (fx.in.opt.dtype != input_dtype::float32) runs.push_back(fx.in.opt.dtype);
-    for (const input_dtype dtype : runs) {
-      CAPTURE(c.name, flashref::to_string(dtype));
+    std::vector<std::pair<input_dtype, fc::kernel_choice>> runs{
+        {input_dtype::float32, fc::kernel_choice::automatic}};
+    if (fx.in.opt.dtype != input_dtype::float32) {
+      runs.emplace_back(fx.in.opt.dtype, fc::kernel_choice::automatic);
+      const std::int64_t d = fx.in.q.shape()[3], dv = fx.in.v.shape()[3];
+      if (d == dv && (d == 64 || d == 128)) {
+        for (const fc::kernel_choice k : half_kernels())
+          runs.emplace_back(fx.in.opt.dtype, k);
+      }
+    }
+    for (const auto& [dtype, kernel] : runs) {
+      CAPTURE(c.name, flashref::to_string(dtype), name_of(kernel));
       xt::xtensor<float, 4> o;
       xt::xtensor<float, 3> lse;
       flashref::attention_problem p = fx.in.problem(o, lse);
       p.dtype = dtype;
       std::fill(o.begin(), o.end(), NAN);
       std::fill(lse.begin(), lse.end(), NAN);
-      fc::attention(p);
+      fc::attention(p, kernel);
       FLASHREF_REQUIRE_CONFORMS(flashref::compare(fx.golden, o.data(), lse.data(), fx.tol));
     }
   }
