@@ -92,6 +92,8 @@ cudaError_t make_map(CUtensorMap* map, const void* base, elem input, std::int64_
                      std::int64_t L, std::int64_t D, const std::int64_t* stride, int rows) {
   const auto fn = encode_tiled();
   if (fn == nullptr) return cudaErrorNotSupported;
+  // No extent may be 0; with L = 0 no tile is ever loaded, so any extent describes it.
+  L = L > 0 ? L : 1;
   const cuuint64_t dims[4] = {cuuint64_t(D), cuuint64_t(L), cuuint64_t(H), cuuint64_t(B)};
   cuuint64_t strides[3];
   std::int64_t packed = D * 2;

@@ -20,10 +20,16 @@ inline constexpr int kConsumers = 2;         // consumer warpgroups
 inline constexpr int kThreads = 128 * (1 + kConsumers);
 inline constexpr int kBoxCols = 64;      // 16-bit elements per 128-byte swizzled row
 inline constexpr int kAtomBytes = 1024;  // 8 rows of 128 bytes
-// Registers per thread after setmaxnreg: the producer warpgroup gives, the consumers take
-// (64 * 128 + 224 * 256 = 65536).
+// Registers per thread after setmaxnreg: the producer warpgroup gives, the consumers take from
+// what it gave. The block starts with 65536 / 384 = 168 per thread, so the budget balances when
+// (168 - kProducerRegs) * 128 >= (kConsumerRegs - 168) * 256; otherwise setmaxnreg.inc waits
+// forever.
+inline constexpr int kLaunchRegs = 168;
 inline constexpr int kProducerRegs = 64;
-inline constexpr int kConsumerRegs = 224;
+inline constexpr int kConsumerRegs = 216;
+static_assert((kLaunchRegs - kProducerRegs) * 128 >=
+                  (kConsumerRegs - kLaunchRegs) * 128 * kConsumers,
+              "the consumers take no more registers than the producer gives");
 
 template <int kD>
 struct tiles {
