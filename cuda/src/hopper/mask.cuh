@@ -58,14 +58,28 @@ struct tile_mask {
     }
   }
 
-  // Visibility of keys j0 + 8 nb + c (nb < kBlocks, c < 2) to query row i, one bit each.
+  // Visibility of keys j0 + 8 nb + c (nb < kBlocks, c < 2) to query row i, one bit each: the
+  // row's key interval (mask_spec::row_range: causal, window, kv_len) once, then per key the
+  // interval test and, with a block mask, its block; the same rule as mask_spec::visible.
   template <int kBlocks>
   __device__ static std::uint32_t key_bits(const mask_spec& m, std::int64_t b, std::int64_t h,
                                            std::int64_t i, std::int64_t j0) {
+    if (i >= m.len_q) return 0;  // rows past the end of the problem see nothing
+    const key_range r = m.row_range(b, i);
     std::uint32_t bits = 0;
+    if (m.block_mask == nullptr) {
+#pragma unroll
+      for (int n = 0; n < 2 * kBlocks; ++n) {
+        const std::int64_t j = j0 + (n / 2) * 8 + n % 2;
+        if (j >= r.lo && j < r.hi) bits |= 1u << n;
+      }
+      return bits;
+    }
+    const std::int64_t qb = i / m.block_q;
 #pragma unroll 1
     for (int n = 0; n < 2 * kBlocks; ++n) {
-      if (key_visible(m, b, h, i, j0 + (n / 2) * 8 + n % 2)) bits |= 1u << n;
+      const std::int64_t j = j0 + (n / 2) * 8 + n % 2;
+      if (j >= r.lo && j < r.hi && m.block_visible(b, h, qb, j / m.block_k)) bits |= 1u << n;
     }
     return bits;
   }
