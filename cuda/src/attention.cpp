@@ -106,8 +106,10 @@ bool tensor_core_applies(const device_problem& p) {
          tensor_core_layout(p.q) && tensor_core_layout(p.k) && tensor_core_layout(p.v);
 }
 
-// The Hopper kernel's machine code is sm_90a: it runs on compute capability 9.0 alone.
-bool device_is_sm90() {
+// The Hopper kernel's machine code is sm_90a: it runs on compute capability 9.0 alone, and
+// only when the library was built with it (CMake option FLASHREF_CUDA_HOPPER).
+bool hopper_runs_here() {
+#if defined(FLASHREF_CUDA_HOPPER)
   int device = 0, major = 0, minor = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -115,6 +117,9 @@ bool device_is_sm90() {
     return false;
   }
   return major == 9 && minor == 0;
+#else
+  return false;
+#endif
 }
 
 enum class kernel_kind { hopper, tensor_core, simt };
@@ -136,13 +141,13 @@ kernel_kind choose(const device_problem& p) {
   const bool tc = tensor_core_applies(p);
   switch (p.kernel) {
     case kernel_choice::automatic:
-      if (tc) return device_is_sm90() ? kernel_kind::hopper : kernel_kind::tensor_core;
+      if (tc) return hopper_runs_here() ? kernel_kind::hopper : kernel_kind::tensor_core;
       return kernel_kind::simt;
     case kernel_choice::hopper:
-      if (!tc || !device_is_sm90()) {
+      if (!tc || !hopper_runs_here()) {
         throw problem_error(
-            "kernel: expected a problem the hopper kernel takes (compute capability 9.0, bf16 or "
-            "fp16, D = Dv in {64, 128}, 16-byte rows), got another");
+            "kernel: expected a problem the hopper kernel takes (a build with it, compute "
+            "capability 9.0, bf16 or fp16, D = Dv in {64, 128}, 16-byte rows), got another");
       }
       return kernel_kind::hopper;
     case kernel_choice::tensor_core:
@@ -224,7 +229,9 @@ void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
   kp.mask.kv_len = p.kv_len;
   switch (kernel) {
     case kernel_kind::hopper:
+#if defined(FLASHREF_CUDA_HOPPER)
       check(detail::launch_hopper(kp, to_elem(p.input), stream), "hopper kernel launch");
+#endif
       return;
     case kernel_kind::tensor_core:
       check(detail::launch_tensor_core(kp, to_elem(p.input), stream), "tensor-core kernel launch");
