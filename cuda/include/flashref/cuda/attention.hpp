@@ -35,8 +35,9 @@ bool device_available(std::string* reason);
 // | 8.0 or newer    | any         | D, Dv <= 256  | any strides                       |
 enum class kernel_choice { automatic, hopper, tensor_core, simt };
 
-// Host entry: validates, copies to the device, computes p.o and p.lse, copies back. A V holding
-// NaN or inf runs the simt kernel whatever the choice (see SPEC §2 and cuda/NOTES.md).
+// Host entry: validates, copies to the device, computes p.o and p.lse, copies back. `kernel`
+// applies to bfloat16 / float16 problems (p.dtype); a float32 problem, and one whose V holds
+// NaN or inf (SPEC §2, cuda/NOTES.md), runs the simt kernel whatever the choice.
 void attention(const attention_problem& p, kernel_choice kernel = kernel_choice::automatic);
 
 // A device tensor: pointer + shape + strides, in elements of the tensor's dtype.
