@@ -13,6 +13,7 @@
 
 #include <cstdint>
 
+#include "../common.cuh"  // pack2
 #include "../launch.hpp"
 #include "epilogue.cuh"
 #include "mask.cuh"
@@ -23,18 +24,6 @@
 #include "wgmma.cuh"
 
 namespace flashref::cuda::detail::sm90 {
-
-// Two floats -> one register of two 16-bit elements (lo in the low half).
-template <class T>
-__device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __half>) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const std::uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const std::uint32_t*>(&h);
-  }
-}
 
 // P (64, kTileK) as wgmma A fragments, one per 16 keys: the accumulator layout of S over keys
 // [16 kk, 16 kk + 16) is the A-operand layout of an m64k16 product.
