@@ -29,10 +29,13 @@ bool device_available(std::string* reason);
 // device: hopper (sm_90 only), then tensor_core, then simt. Naming another forces it and throws
 // problem_error when that kernel cannot take the problem (tests use this to cover each kernel).
 //
-// | kernel      | device          | input       | D = Dv        | layout of q, k, v | | hopper |
-// compute cap 9.0 | bf16, fp16  | 64, 128       | unit stride along D, 16-byte rows | | tensor_core
-// | 8.0 or newer    | bf16, fp16  | 64, 128       | unit stride along D, 16-byte rows | | simt
-// | 8.0 or newer    | any         | D, Dv <= 256  | any strides                       |
+// clang-format off
+// | kernel      | device           | input       | D = Dv       | layout of q, k, v                 |
+// | ----------- | ---------------- | ----------- | ------------ | --------------------------------- |
+// | hopper      | compute cap 9.0  | bf16, fp16  | 64, 128      | unit stride along D, 16-byte rows |
+// | tensor_core | 8.0 or newer     | bf16, fp16  | 64, 128      | unit stride along D, 16-byte rows |
+// | simt        | 8.0 or newer     | any         | D, Dv <= 256 | any strides                       |
+// clang-format on
 enum class kernel_choice { automatic, hopper, tensor_core, simt };
 
 // Host entry: validates, copies to the device, computes p.o and p.lse, copies back. `kernel`
