@@ -43,7 +43,7 @@ def uniform(seed, stream, n):
 
 
 def bench_block_mask(hq, length, block, density, seed):
-    """tools/bench_cuda.cpp's gpu_bench_block_mask: (Hq, nb, nb) uint8."""
+    """tools/bench/grid.cpp's block_sparse_mask: (Hq, nb, nb) uint8."""
     nb = (length + block - 1) // block
     u = uniform(seed, length, hq * nb * nb).reshape(hq, nb, nb)
     qb = np.arange(nb).reshape(1, nb, 1)

@@ -7,7 +7,6 @@
 
 #include <immintrin.h>
 
-#include "isa_exp.hpp"
 #include "kernel.hpp"
 
 #if defined(__clang__)
@@ -16,6 +15,9 @@
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
 #endif
+
+// After the target pragmas: exp_lanes is compiled for this instruction set.
+#include "isa_exp.hpp"
 
 namespace flashref::cpu::detail::avx2 {
 namespace {
@@ -49,26 +51,22 @@ struct vec {
     s = _mm_max_ss(s, _mm_movehdup_ps(s));
     return _mm_cvtss_f32(s);
   }
-  static reg exp(reg x) {
-    const reg under = _mm256_cmp_ps(x, set1(kExpLo), _CMP_LT_OQ);     // false for NaN
-    x = _mm256_min_ps(set1(kExpHi), _mm256_max_ps(set1(kExpLo), x));  // keeps NaN
-    const reg n =
-        _mm256_round_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    reg r = _mm256_fnmadd_ps(n, set1(kLn2Hi), x);
-    r = _mm256_fnmadd_ps(n, set1(kLn2Lo), r);
-    reg y = set1(kExpP0);
-    y = fma(y, r, set1(kExpP1));
-    y = fma(y, r, set1(kExpP2));
-    y = fma(y, r, set1(kExpP3));
-    y = fma(y, r, set1(kExpP4));
-    y = fma(y, r, set1(kExpP5));
-    y = fma(y, mul(r, r), add(r, set1(1.0f)));
-    // 2^n from the exponent bits; n is in [-126, 127] after the clamp.
+  // The steps of exp_lanes (isa_exp.hpp) that differ per instruction set.
+  static reg below(reg x, reg lo) { return _mm256_cmp_ps(x, lo, _CMP_LT_OQ); }
+  static reg clamp(reg x, float lo, float hi) {
+    return _mm256_min_ps(set1(hi), _mm256_max_ps(set1(lo), x));  // keeps NaN
+  }
+  static reg fnma(reg a, reg b, reg c) { return _mm256_fnmadd_ps(a, b, c); }
+  static reg round_nearest(reg x) {
+    return _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static reg scale_pow2(reg y, reg n) {  // 2^n from the exponent bits
     const __m256i e =
         _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    y = mul(y, _mm256_castsi256_ps(e));
-    return _mm256_andnot_ps(under, y);
+    return mul(y, _mm256_castsi256_ps(e));
   }
+  static reg zero_where(reg m, reg y) { return _mm256_andnot_ps(m, y); }
+  static reg exp(reg x) { return exp_lanes<vec>(x); }
 };
 
 #include "kernel_body.inc"

@@ -13,7 +13,6 @@
 #endif
 #include <immintrin.h>
 
-#include "isa_exp.hpp"
 #include "kernel.hpp"
 
 #if defined(__clang__)
@@ -23,6 +22,9 @@
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512dq,avx2,fma")
 #endif
+
+// After the target pragmas: exp_lanes is compiled for this instruction set.
+#include "isa_exp.hpp"
 
 namespace flashref::cpu::detail::avx512 {
 namespace {
@@ -46,23 +48,18 @@ struct vec {
   static reg max(reg a, reg b) { return _mm512_max_ps(a, b); }
   static float reduce_add(reg x) { return _mm512_reduce_add_ps(x); }
   static float reduce_max(reg x) { return _mm512_reduce_max_ps(x); }
-  static reg exp(reg x) {
-    const __mmask16 under = _mm512_cmp_ps_mask(x, set1(kExpLo), _CMP_LT_OQ);  // false for NaN
-    x = _mm512_min_ps(set1(kExpHi), _mm512_max_ps(set1(kExpLo), x));          // keeps NaN
-    const reg n =
-        _mm512_roundscale_ps(mul(x, set1(kLog2e)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    reg r = _mm512_fnmadd_ps(n, set1(kLn2Hi), x);
-    r = _mm512_fnmadd_ps(n, set1(kLn2Lo), r);
-    reg y = set1(kExpP0);
-    y = fma(y, r, set1(kExpP1));
-    y = fma(y, r, set1(kExpP2));
-    y = fma(y, r, set1(kExpP3));
-    y = fma(y, r, set1(kExpP4));
-    y = fma(y, r, set1(kExpP5));
-    y = fma(y, mul(r, r), add(r, set1(1.0f)));
-    y = _mm512_scalef_ps(y, n);  // y · 2^n
-    return _mm512_maskz_mov_ps(__mmask16(~under), y);
+  // The steps of exp_lanes (isa_exp.hpp) that differ per instruction set.
+  static __mmask16 below(reg x, reg lo) { return _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ); }
+  static reg clamp(reg x, float lo, float hi) {
+    return _mm512_min_ps(set1(hi), _mm512_max_ps(set1(lo), x));  // keeps NaN
   }
+  static reg fnma(reg a, reg b, reg c) { return _mm512_fnmadd_ps(a, b, c); }
+  static reg round_nearest(reg x) {
+    return _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+  static reg scale_pow2(reg y, reg n) { return _mm512_scalef_ps(y, n); }
+  static reg zero_where(__mmask16 m, reg y) { return _mm512_maskz_mov_ps(__mmask16(~m), y); }
+  static reg exp(reg x) { return exp_lanes<vec>(x); }
 };
 
 #include "kernel_body.inc"

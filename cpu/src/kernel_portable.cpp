@@ -68,26 +68,37 @@ struct vec {
       m = x.v[l] > m ? x.v[l] : m;
     return m;
   }
-  static float exp1(float x) {
-    if (x < kExpLo) return 0.0f;  // also -inf; false for NaN
-    x = std::min(x, kExpHi);
-    const float n = std::nearbyint(x * kLog2e);
-    float r = x - n * kLn2Hi;
-    r = r - n * kLn2Lo;
-    float y = kExpP0;
-    y = y * r + kExpP1;
-    y = y * r + kExpP2;
-    y = y * r + kExpP3;
-    y = y * r + kExpP4;
-    y = y * r + kExpP5;
-    y = y * (r * r) + (r + 1.0f);
-    if (std::isnan(y)) return y;
-    const std::uint32_t e = std::uint32_t(int(n) + 127) << 23;  // 2^n, n in [-126, 127]
-    return y * std::bit_cast<float>(e);
+  // The steps of exp_lanes (isa_exp.hpp) that differ per instruction set; unfused, like the
+  // rest of this kernel.
+  struct lanes {
+    bool v[W];
+  };
+  static lanes below(const reg& x, const reg& lo) {
+    lanes m;
+    for (int l = 0; l < W; ++l)
+      m.v[l] = x.v[l] < lo.v[l];  // false for NaN
+    return m;
   }
-  static reg exp(const reg& x) {
-    return map([&](int l) { return exp1(x.v[l]); });
+  static reg clamp(const reg& x, float lo, float hi) {
+    return map([&](int l) { return x.v[l] < lo ? lo : x.v[l] > hi ? hi : x.v[l]; });
   }
+  static reg fnma(const reg& a, const reg& b, const reg& c) {
+    return map([&](int l) { return c.v[l] - a.v[l] * b.v[l]; });
+  }
+  static reg round_nearest(const reg& x) {
+    return map([&](int l) { return std::nearbyint(x.v[l]); });
+  }
+  static reg scale_pow2(const reg& y, const reg& n) {
+    return map([&](int l) {
+      if (std::isnan(y.v[l])) return y.v[l];  // n is NaN too: no integer to scale by
+      const std::uint32_t e = std::uint32_t(int(n.v[l]) + 127) << 23;  // 2^n, n in [-126, 127]
+      return y.v[l] * std::bit_cast<float>(e);
+    });
+  }
+  static reg zero_where(const lanes& m, const reg& y) {
+    return map([&](int l) { return m.v[l] ? 0.0f : y.v[l]; });
+  }
+  static reg exp(const reg& x) { return exp_lanes<vec>(x); }
 };
 
 #include "kernel_body.inc"

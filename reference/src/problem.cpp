@@ -156,7 +156,7 @@ mask_spec make_mask_spec(const attention_problem& p) {
   mask_spec m;
   m.len_q = p.len_q();
   m.len_k = p.len_k();
-  m.causal = p.causal == causal_mode::bottom_right ? 1 : p.causal == causal_mode::top_left ? 2 : 0;
+  m.causal = p.causal;
   m.window_left = p.window_left;
   m.window_right = p.window_right;
   m.kv_len = p.kv_len;

@@ -1,11 +1,6 @@
 #include "flashref/testdata/hdf5.hpp"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cinttypes>
 #include <cstdio>
 #include <cstdlib>
@@ -19,6 +14,7 @@
 #include <hdf5.h>
 
 #include "flashref/reference/problem.hpp"
+#include "flashref/testdata/files.hpp"
 
 namespace flashref::testdata::h5 {
 
@@ -719,40 +715,11 @@ void write_attr(file& f, const std::string& obj, const std::string& name, double
 // --- whole files -------------------------------------------------------------------------
 
 void write_atomically(const fs::path& path, const std::function<void(file&)>& fill) {
-  const std::string name = path.string();
-  const fs::path dir = path.has_parent_path() ? path.parent_path() : fs::path(".");
-  std::error_code ec;
-  if (!fs::is_directory(dir, ec)) {
-    throw problem_error(name + ": expected a path in an existing folder, got folder '" +
-                        dir.string() + "' which does not exist");
-  }
-  if (fs::is_directory(path, ec)) throw problem_error(name + ": expected a file, got a folder");
-  // A unique name in the destination folder (rename is atomic only within one file system).
-  std::string tmpl = (dir / ("." + path.filename().string() + ".XXXXXX.tmp")).string();
-  const int fd = mkstemps(tmpl.data(), 4);
-  if (fd < 0) {
-    throw problem_error(name + ": expected a writable folder, got " + std::strerror(errno));
-  }
-  const mode_t umask_now = ::umask(0);  // mkstemps makes 0600; give the usual 0666 & ~umask
-  ::umask(umask_now);
-  ::fchmod(fd, 0666 & ~umask_now);
-  ::close(fd);
-  const fs::path tmp = tmpl;
-  try {
+  write_file_atomically(path, [&](const fs::path& tmp) {
     file f = file::create(tmp);
     fill(f);
     f.close();
-    const int sync_fd = ::open(tmpl.c_str(), O_RDONLY);  // the data reaches the disk first
-    if (sync_fd >= 0) {
-      ::fsync(sync_fd);
-      ::close(sync_fd);
-    }
-    fs::rename(tmp, path, ec);
-    if (ec) throw problem_error(name + ": expected a successful rename, got " + ec.message());
-  } catch (...) {
-    fs::remove(tmp, ec);
-    throw;
-  }
+  });
 }
 
 std::vector<std::string> diff(const file& expected, const file& actual,

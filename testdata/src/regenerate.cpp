@@ -1,44 +1,14 @@
 // Regeneration and bit-identity verification of the committed fixtures.
 
-#include <stdlib.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <chrono>
-#include <cstring>
 
 #include "flashref/testdata/cases.hpp"
+#include "flashref/testdata/files.hpp"
 
 namespace flashref::testdata {
 
-namespace {
-
 namespace fs = std::filesystem;
-
-// A fresh private folder under the system's temporary folder, removed with its contents.
-class temp_folder {
- public:
-  temp_folder() {
-    std::string tmpl = (fs::temp_directory_path() / "flashref-fixtures-XXXXXX").string();
-    if (mkdtemp(tmpl.data()) == nullptr) {
-      throw problem_error("temporary folder: expected one to be created, got " +
-                          std::string(std::strerror(errno)));
-    }
-    path_ = tmpl;
-  }
-  temp_folder(const temp_folder&) = delete;
-  temp_folder& operator=(const temp_folder&) = delete;
-  ~temp_folder() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  const fs::path& path() const { return path_; }
-
- private:
-  fs::path path_;
-};
-
-}  // namespace
 
 void regenerate(const fs::path& dir, const progress_fn& progress) {
   std::error_code ec;
@@ -64,7 +34,7 @@ std::vector<std::string> verify(const fs::path& dir) {
     throw problem_error(dir.string() + ": expected a folder of fixtures, got " +
                         (fs::exists(dir) ? "a file" : "nothing"));
   }
-  const temp_folder fresh;
+  const temp_folder fresh("flashref-fixtures");
   regenerate(fresh.path());
   std::vector<std::string> out;
   std::vector<std::string> names;

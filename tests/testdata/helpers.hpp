@@ -13,38 +13,14 @@
 #include <string>
 #include <vector>
 
+#include "flashref/testdata/files.hpp"
 #include "flashref/testdata/fixture.hpp"
 
 namespace flashref::test {
 
 namespace fs = std::filesystem;
 
-class temp_dir {
- public:
-  temp_dir() {
-    std::string tmpl = (fs::temp_directory_path() / "flashref-test-XXXXXX").string();
-    if (mkdtemp(tmpl.data()) == nullptr) throw std::runtime_error("mkdtemp failed");
-    path_ = tmpl;
-  }
-  temp_dir(const temp_dir&) = delete;
-  temp_dir& operator=(const temp_dir&) = delete;
-  ~temp_dir() {
-    std::error_code ec;
-    fs::remove_all(path_, ec);
-  }
-  fs::path operator/(const std::string& name) const { return path_ / name; }
-  const fs::path& path() const { return path_; }
-  // Every entry of the folder (to see that nothing was left behind).
-  std::vector<std::string> entries() const {
-    std::vector<std::string> out;
-    for (const auto& e : fs::directory_iterator(path_))
-      out.push_back(e.path().filename().string());
-    return out;
-  }
-
- private:
-  fs::path path_;
-};
+using temp_dir = testdata::temp_folder;  // a private temporary folder
 
 inline fs::path testdata_dir() {
   return FLASHREF_TESTDATA_DIR;

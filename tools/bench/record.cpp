@@ -1,6 +1,7 @@
 #include "record.hpp"
 
 #include "../io.hpp"
+#include "flashref/reference/problem.hpp"
 
 namespace flashref::cli {
 

@@ -3,9 +3,7 @@
 // .cu files: no xtensor, no exceptions, nothing host-only.
 
 #if defined(__CUDACC__)
-#define FLASHREF_HD __host__ __device__
 #define FLASHREF_INLINE __host__ __device__ __forceinline__
 #else
-#define FLASHREF_HD
 #define FLASHREF_INLINE inline
 #endif

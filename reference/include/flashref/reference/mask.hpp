@@ -12,6 +12,9 @@ namespace flashref {
 
 struct attention_problem;
 
+// Causal alignment (SPEC §2): none; bottom-right, key j <= i + (Lk - Lq); top-left, j <= i.
+enum class causal_mode { none, bottom_right, top_left };
+
 enum class tile_class : int { empty = 0, partial = 1, full = 2 };
 
 // Key interval [lo, hi) allowed to one query row by causal, window and kv_len.
@@ -23,7 +26,7 @@ struct key_range {
 struct mask_spec {
   std::int64_t len_q = 0;
   std::int64_t len_k = 0;
-  int causal = 0;  // 0 none, 1 bottom-right, 2 top-left
+  causal_mode causal = causal_mode::none;
   std::int64_t window_left = -1;
   std::int64_t window_right = -1;
   const std::int32_t* kv_len = nullptr;  // (B) or null
@@ -39,8 +42,8 @@ struct mask_spec {
     std::int64_t lo = 0;
     std::int64_t hi = len_k;
     if (kv_len != nullptr && kv_len[b] < hi) hi = kv_len[b];
-    if (causal == 1 && diag + 1 < hi) hi = diag + 1;
-    if (causal == 2 && i + 1 < hi) hi = i + 1;
+    if (causal == causal_mode::bottom_right && diag + 1 < hi) hi = diag + 1;
+    if (causal == causal_mode::top_left && i + 1 < hi) hi = i + 1;
     if (window_right >= 0 && diag + window_right + 1 < hi) hi = diag + window_right + 1;
     if (window_left >= 0 && diag - window_left > lo) lo = diag - window_left;
     return {lo, hi};

@@ -10,6 +10,8 @@
 #include <stdexcept>
 #include <string>
 
+#include "flashref/reference/mask.hpp"  // causal_mode
+
 namespace flashref {
 
 // The one exception type for malformed problems, files and options. Its message names the
@@ -65,8 +67,6 @@ template <class T>
 strided<T, 4> from_blhd(T* data, std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t D) {
   return {data, {B, H, L, D}, {L * H * D, D, H * D, 1}};
 }
-
-enum class causal_mode { none, bottom_right, top_left };
 
 // The dtype the inputs are meant to have. Host problems always carry float32 storage; a value
 // other than float32 says that every input value is exactly representable in that dtype and
