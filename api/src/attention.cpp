@@ -33,15 +33,15 @@ backend parse_backend(const std::string& s) {
 std::vector<backend_info> backends() {
   std::vector<backend_info> out;
   const std::vector<input_dtype> f32{input_dtype::float32};
-  out.push_back({backend::reference, true, true, "", f32});
-#if defined(FLASHREF_HAVE_CPU)
-  out.push_back({backend::cpu, true, true, "", f32});
-#else
-  out.push_back(
-      {backend::cpu, false, false, "the CPU backend is not built into this library", f32});
-#endif
   const std::vector<input_dtype> all{input_dtype::float32, input_dtype::bfloat16,
                                      input_dtype::float16};
+  out.push_back({backend::reference, true, true, "", f32});
+#if defined(FLASHREF_HAVE_CPU)
+  out.push_back({backend::cpu, true, true, "", all});  // bf16/fp16: the CPU's half paths
+#else
+  out.push_back(
+      {backend::cpu, false, false, "the CPU backend is not built into this library", all});
+#endif
 #if defined(FLASHREF_HAVE_CUDA)
   std::string why;
   const bool dev = cuda::device_available(&why);

@@ -33,6 +33,12 @@ struct vec {
   static reg load(const float* p) {
     return map([&](int l) { return p[l]; });
   }
+  static reg load(const bf16_bits* p) {
+    return map([&](int l) { return bf16_to_float(p[l].bits); });
+  }
+  static reg load(const f16_bits* p) {
+    return map([&](int l) { return f16_to_float(p[l].bits); });
+  }
   static void store(float* p, const reg& x) {
     for (int l = 0; l < W; ++l)
       p[l] = x.v[l];
@@ -106,8 +112,8 @@ struct vec {
 }  // namespace
 
 const kernel_table& table() {
-  static const kernel_table t{isa::portable,    W,   vec::kTileQ, vec::kTileK,
-                              workspace_floats, run, fma_loop};
+  static const kernel_table t{isa::portable,    W,        vec::kTileQ, vec::kTileK,
+                              workspace_floats, run_fp32, nullptr,     fma_loop};
   return t;
 }
 
