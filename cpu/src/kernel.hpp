@@ -14,6 +14,15 @@
 #include "flashref/reference/online_softmax.hpp"
 #include "flashref/reference/problem.hpp"
 
+// Unrolls the loop that follows completely: the register-blocked micro-kernels index their
+// accumulators by loop counters of compile-time trip count, and only a complete unroll keeps
+// them in registers (GCC at -O2 leaves such loops rolled, its accumulators on the stack).
+#if defined(__clang__)
+#define FLASHREF_UNROLL _Pragma("unroll")
+#else
+#define FLASHREF_UNROLL _Pragma("GCC unroll 16")
+#endif
+
 namespace flashref::cpu::detail {
 
 // How q, k and v are stored: float32, or the 16-bit patterns of bfloat16 / float16 values.

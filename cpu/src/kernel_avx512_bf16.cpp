@@ -50,22 +50,31 @@ template <int MR, int NV>
 inline void qk_block(std::int64_t Dkp, const std::uint16_t* k, std::int64_t ldk,
                      const std::uint16_t* qv, std::int64_t ldq, float* s, std::int64_t lds) {
   reg c[MR][NV];
-  for (int r = 0; r < MR; ++r)
+  FLASHREF_UNROLL
+  for (int r = 0; r < MR; ++r) {
+    FLASHREF_UNROLL
     for (int v = 0; v < NV; ++v)
       c[r][v] = vec::zero();
+  }
   for (std::int64_t d = 0; d < Dkp; d += 2) {
     __m512bh b[NV];
+    FLASHREF_UNROLL
     for (int v = 0; v < NV; ++v)
       b[v] = pairs_at(qv + (d / 2) * ldq + v * 2 * W);
+    FLASHREF_UNROLL
     for (int r = 0; r < MR; ++r) {
       const __m512bh a = pair_of(k + r * ldk + d);
+      FLASHREF_UNROLL
       for (int v = 0; v < NV; ++v)
         c[r][v] = _mm512_dpbf16_ps(c[r][v], a, b[v]);
     }
   }
-  for (int r = 0; r < MR; ++r)
+  FLASHREF_UNROLL
+  for (int r = 0; r < MR; ++r) {
+    FLASHREF_UNROLL
     for (int v = 0; v < NV; ++v)
       vec::store(s + r * lds + v * W, c[r][v]);
+  }
 }
 
 // accᵀ block (MR value columns, NV·16 queries) += Vᵀ (MR, nk32) · Pᵀ, a pair of keys per
@@ -74,22 +83,31 @@ template <int MR, int NV>
 inline void pv_block(std::int64_t nk32, const std::uint16_t* vt, std::int64_t ldv,
                      const std::uint16_t* pv, std::int64_t ldp, float* acc, std::int64_t lda) {
   reg c[MR][NV];
-  for (int r = 0; r < MR; ++r)
+  FLASHREF_UNROLL
+  for (int r = 0; r < MR; ++r) {
+    FLASHREF_UNROLL
     for (int u = 0; u < NV; ++u)
       c[r][u] = vec::load(acc + r * lda + u * W);
+  }
   for (std::int64_t j = 0; j < nk32; j += 2) {
     __m512bh b[NV];
+    FLASHREF_UNROLL
     for (int u = 0; u < NV; ++u)
       b[u] = pairs_at(pv + (j / 2) * ldp + u * 2 * W);
+    FLASHREF_UNROLL
     for (int r = 0; r < MR; ++r) {
       const __m512bh a = pair_of(vt + r * ldv + j);
+      FLASHREF_UNROLL
       for (int u = 0; u < NV; ++u)
         c[r][u] = _mm512_dpbf16_ps(c[r][u], a, b[u]);
     }
   }
-  for (int r = 0; r < MR; ++r)
+  FLASHREF_UNROLL
+  for (int r = 0; r < MR; ++r) {
+    FLASHREF_UNROLL
     for (int u = 0; u < NV; ++u)
       vec::store(acc + r * lda + u * W, c[r][u]);
+  }
 }
 
 struct dot {
