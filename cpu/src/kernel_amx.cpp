@@ -70,7 +70,7 @@ namespace {
 
 // Tiles 0-3 hold a 2 x 2 block of float32 results (16 x 16 each), 4-5 the A operands
 // (16 rows x 32 bfloat16), 6-7 the B operands (16 pair rows x 16 columns x 2).
-struct tile_config {
+struct alignas(64) tile_config {
   std::uint8_t palette = 1;
   std::uint8_t start_row = 0;
   std::uint8_t reserved[14] = {};
