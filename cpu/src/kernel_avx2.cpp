@@ -40,10 +40,6 @@ struct vec {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
-  // Keeps x in a register: after it, the compiler cannot re-read x's memory at each use. GCC
-  // otherwise folds the load of a micro-kernel's B operand into every FMA that uses it — as
-  // many vector loads as FMAs, which caps the kernels at about 2/3 of the FMA rate.
-  static void keep(reg& x) { asm("" : "+v"(x)); }
   static reg set1(float x) { return _mm256_set1_ps(x); }
   static reg zero() { return _mm256_setzero_ps(); }
   static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }

@@ -41,10 +41,8 @@ inline __m512bh pair_of(const std::uint16_t* p) {  // one bfloat16 pair, in ever
   return __m512bh(_mm512_set1_epi32(int(x)));
 }
 
-inline __m512bh pairs_at(const std::uint16_t* p) {  // 16 bfloat16 pairs, held in a register
-  __m512i x = _mm512_loadu_si512(p);
-  asm("" : "+v"(x));  // loaded once for MR products, not folded into each (vec::keep)
-  return __m512bh(x);
+inline __m512bh pairs_at(const std::uint16_t* p) {  // 16 bfloat16 pairs
+  return __m512bh(_mm512_loadu_si512(p));
 }
 
 // Sᵀ block (MR keys, NV·16 queries) = K rows (MR, Dkp) · Qᵀ, a pair of d per instruction.

@@ -43,7 +43,6 @@ struct vec {
     for (int l = 0; l < W; ++l)
       p[l] = x.v[l];
   }
-  static void keep(reg&) {}  // (the SIMD kernels pin their B operands in registers)
   static reg set1(float x) {
     return map([&](int) { return x; });
   }
