@@ -21,7 +21,7 @@ int regenerate_fixtures(const std::string& dir) {
                                const std::filesystem::path& file, double seconds) {
     std::error_code ec;
     const auto bytes = std::filesystem::file_size(file, ec);
-    std::printf("[%2zu/%zu] %-26s %8.1f KB %8.3f s\n", i + 1, n, fx.name.c_str(),
+    std::printf("[%2zu/%zu] %-30s %8.1f KB %8.3f s\n", i + 1, n, fx.name.c_str(),
                 ec ? 0.0 : double(bytes) / 1024.0, seconds);
     std::fflush(stdout);
   });
@@ -46,7 +46,7 @@ int verify_fixtures(const std::string& dir) {
 
 int list_fixtures() {
   for (const testdata::case_info& c : testdata::cases())
-    std::printf("%-26s %s\n", c.name.c_str(), c.description.c_str());
+    std::printf("%-30s %s\n", c.name.c_str(), c.description.c_str());
   return 0;
 }
 

@@ -39,8 +39,29 @@ struct dims {
   std::size_t B, Hq, Hk, Lq, Lk, D, Dv;
 };
 
-// Random q, k, v of the given dims.
-void dense(fixture& fx, dims d, input_dtype dtype = input_dtype::float32) {
+// The head dim of the half-precision twins where their case has a smaller one: tensor-core
+// kernels (ours among them) take D = Dv in {64, 128}.
+constexpr std::size_t kTwinHeadDim = 64;
+
+// How a case is built: as itself, or as a half-precision twin — the same construction with
+// the inputs rounded to `twin` (a float32 case's bfloat16 or float16 sibling) and equal head
+// dims below kTwinHeadDim widened to it. Masks, lengths, heads and seed stay the case's.
+struct variant {
+  input_dtype twin = input_dtype::float32;  // float32: the case itself
+
+  bool is_twin() const { return twin != input_dtype::float32; }
+  std::size_t head_dim(std::size_t D) const {
+    return is_twin() && D < kTwinHeadDim ? kTwinHeadDim : D;
+  }
+  dims shape(dims d) const {
+    if (d.D == d.Dv) d.D = d.Dv = head_dim(d.D);
+    return d;
+  }
+};
+
+// Random q, k, v of the given dims (widened for a twin), rounded to dtype.
+void dense(fixture& fx, dims d, const variant& v, input_dtype dtype = input_dtype::float32) {
+  d = v.shape(d);
   fx.in.q = normals(fx.seed, kQ, {d.B, d.Hq, d.Lq, d.D}, 1.0, dtype);
   fx.in.k = normals(fx.seed, kK, {d.B, d.Hk, d.Lk, d.D}, 1.0, dtype);
   fx.in.v = normals(fx.seed, kV, {d.B, d.Hk, d.Lk, d.Dv}, 1.0, dtype);
@@ -91,12 +112,12 @@ void shift_scores(fixture& fx, const std::vector<double>& shift) {
 
 // --- the cases ---------------------------------------------------------------------------
 
-void make_spec_random(fixture& fx) {
-  dense(fx, {1, 1, 1, 1, 13, 8, 8});
+void make_spec_random(fixture& fx, const variant& v) {
+  dense(fx, {1, 1, 1, 1, 13, 8, 8}, v);
 }
 
-void make_spec_rescale_lower(fixture& fx) {
-  dense(fx, {1, 1, 1, 1, 16, 8, 8});
+void make_spec_rescale_lower(fixture& fx, const variant& v) {
+  dense(fx, {1, 1, 1, 1, 16, 8, 8}, v);
   std::vector<double> shift(16, -3.0);  // later tiles: well below ...
   for (std::size_t j = 0; j < 4; ++j)
     shift[j] = 0.0;
@@ -109,8 +130,8 @@ void check_rescale_lower(const fixture& fx) {
     if (!(fx.trace->exp_old(t) == 1.0)) broken(fx, "exp_old == 1 on every tile after the first");
 }
 
-void make_spec_rescale_higher(fixture& fx) {
-  dense(fx, {1, 1, 1, 1, 16, 8, 8});
+void make_spec_rescale_higher(fixture& fx, const variant& v) {
+  dense(fx, {1, 1, 1, 1, 16, 8, 8}, v);
   std::vector<double> shift(16);
   for (std::size_t j = 0; j < 16; ++j)
     shift[j] = 4.0 * double(j / std::size_t(kSpecTile));
@@ -124,8 +145,8 @@ void check_rescale_higher(const fixture& fx) {
   }
 }
 
-void make_spec_masked_first_block(fixture& fx) {
-  dense(fx, {1, 1, 1, 1, 12, 8, 8});
+void make_spec_masked_first_block(fixture& fx, const variant& v) {
+  dense(fx, {1, 1, 1, 1, 12, 8, 8}, v);
   std::vector<std::uint8_t> visible(12, 1);
   for (std::size_t j = 0; j < 4; ++j)
     visible[j] = 0;  // the whole first tile
@@ -141,8 +162,8 @@ void check_masked_first_block(const fixture& fx) {
   }
 }
 
-void make_spec_all_masked(fixture& fx) {
-  dense(fx, {1, 1, 1, 1, 8, 8, 8});
+void make_spec_all_masked(fixture& fx, const variant& v) {
+  dense(fx, {1, 1, 1, 1, 8, 8, 8}, v);
   key_mask(fx, std::vector<std::uint8_t>(8, 0));
 }
 
@@ -150,8 +171,8 @@ void check_all_masked(const fixture& fx) {
   if (fx.golden.lse[0] != -INFINITY) broken(fx, "a row with no visible key");
 }
 
-void make_blocksparse_empty_rows(fixture& fx) {
-  dense(fx, {1, 2, 2, 256, 256, 32, 32});
+void make_blocksparse_empty_rows(fixture& fx, const variant& v) {
+  dense(fx, {1, 2, 2, 256, 256, 32, 32}, v);
   random_block_mask(fx, {1, 2, 8, 8}, 32, 32, 0.2);
   auto& m = fx.in.opt.block_mask;
   // The arrangement the bug needs, whatever the draw gave: an empty q-block row (failure
@@ -179,49 +200,50 @@ void check_blocksparse_empty_rows(const fixture& fx) {
   if (!empty_row || !first_masked) broken(fx, "an empty q-block row and a first-masked row");
 }
 
-void make_blocksparse_all_empty(fixture& fx) {
-  dense(fx, {1, 2, 2, 48, 48, 16, 16});
+void make_blocksparse_all_empty(fixture& fx, const variant& v) {
+  dense(fx, {1, 2, 2, 48, 48, 16, 16}, v);
   fx.in.opt.block_mask = xt::zeros<std::uint8_t>(shape4{1, 2, 3, 3});
   fx.in.opt.block_q = fx.in.opt.block_k = 16;
 }
 
-void make_blocksparse_full(fixture& fx) {
-  dense(fx, {1, 2, 2, 40, 40, 16, 16});
+void make_blocksparse_full(fixture& fx, const variant& v) {
+  dense(fx, {1, 2, 2, 40, 40, 16, 16}, v);
   fx.in.opt.block_mask = xt::ones<std::uint8_t>(shape4{1, 1, 3, 3});  // broadcast over heads
   fx.in.opt.block_q = fx.in.opt.block_k = 16;                         // a partial tail block
 }
 
-void make_blocksparse_odd_blocks(fixture& fx) {
-  dense(fx, {2, 2, 2, 100, 130, 16, 16});
+void make_blocksparse_odd_blocks(fixture& fx, const variant& v) {
+  dense(fx, {2, 2, 2, 100, 130, 16, 16}, v);
   random_block_mask(fx, {1, 2, 5, 4}, 24, 40, 0.2);  // ceil(100/24) = 5, ceil(130/40) = 4
 }
 
-void make_causal(fixture& fx, std::size_t Lq, std::size_t Lk, causal_mode mode) {
-  dense(fx, {1, 2, 2, Lq, Lk, 16, 16});
+void make_causal(fixture& fx, const variant& v, std::size_t Lq, std::size_t Lk, causal_mode mode) {
+  dense(fx, {1, 2, 2, Lq, Lk, 16, 16}, v);
   fx.in.opt.causal = mode;
 }
 
-void make_local_window(fixture& fx) {
-  dense(fx, {1, 2, 2, 48, 40, 16, 16});
+void make_local_window(fixture& fx, const variant& v) {
+  dense(fx, {1, 2, 2, 48, 40, 16, 16}, v);
   fx.in.opt.window_left = 3;  // row i sees keys [i - 11, i - 6]: empty for i < 6
   fx.in.opt.window_right = 2;
 }
 
-void make_local_window_causal(fixture& fx) {
-  dense(fx, {1, 2, 2, 64, 64, 16, 16});
+void make_local_window_causal(fixture& fx, const variant& v) {
+  dense(fx, {1, 2, 2, 64, 64, 16, 16}, v);
   fx.in.opt.causal = causal_mode::bottom_right;
   fx.in.opt.window_left = 7;
 }
 
-void make_kv_len_zero(fixture& fx) {
-  dense(fx, {3, 2, 2, 8, 24, 16, 16});
+void make_kv_len_zero(fixture& fx, const variant& v) {
+  dense(fx, {3, 2, 2, 8, 24, 16, 16}, v);
   fx.in.opt.kv_len = {17, 0, 5};
 }
 
-void make_extreme_scores(fixture& fx) {
-  fx.in.q = normals(fx.seed, kQ, {1, 2, 8, 16}, 64.0);
-  fx.in.k = normals(fx.seed, kK, {1, 2, 40, 16}, 32.0);
-  fx.in.v = normals(fx.seed, kV, {1, 2, 40, 16});
+void make_extreme_scores(fixture& fx, const variant& v) {
+  const std::size_t D = v.head_dim(16);  // the scores' spread is 64 * 32 whatever D (scale)
+  fx.in.q = normals(fx.seed, kQ, {1, 2, 8, D}, 64.0);
+  fx.in.k = normals(fx.seed, kK, {1, 2, 40, D}, 32.0);
+  fx.in.v = normals(fx.seed, kV, {1, 2, 40, D});
 }
 
 // Scores in float64 of the stored inputs, one row at a time.
@@ -252,8 +274,8 @@ void check_extreme_scores(const fixture& fx) {
   });
 }
 
-void make_monotone_maxima(fixture& fx) {
-  const std::size_t H = 2, Lq = 8, Lk = 64, D = 16;
+void make_monotone_maxima(fixture& fx, const variant& v) {
+  const std::size_t H = 2, Lq = 8, Lk = 64, D = v.head_dim(16);
   const double scale = 1.0 / std::sqrt(double(D));
   const counter_rng rq(fx.seed, kQ), rk(fx.seed, kK), ru(fx.seed, kDirection);
   fx.in.q = xt::xtensor<float, 4>::from_shape({1, H, Lq, D});
@@ -292,11 +314,15 @@ void check_monotone_maxima(const fixture& fx) {
   });
 }
 
+// What a case is, beyond its inputs: a spec case (single query, with a /trace), a float32
+// case with half-precision twins, or a case whose inputs are half precision already.
+enum class case_kind { spec, twinned, half };
+
 struct case_def {
   case_info info;
-  void (*make)(fixture&);
+  void (*make)(fixture&, const variant&);
   void (*check)(const fixture&);  // the property the case exists for, or null
-  bool spec;                      // single-query case with a /trace
+  case_kind kind;
 };
 
 const std::vector<case_def>& definitions() {
@@ -308,138 +334,138 @@ const std::vector<case_def>& definitions() {
         101},
        make_spec_random,
        nullptr,
-       true},
+       case_kind::spec},
       {{"spec_rescale_lower",
         "every tile after the first scores below the running max: exp_old == 1", 102},
        make_spec_rescale_lower,
        check_rescale_lower,
-       true},
+       case_kind::spec},
       {{"spec_rescale_higher",
         "every tile raises the running max: exp_old < 1, earlier terms shrink", 103},
        make_spec_rescale_higher,
        check_rescale_higher,
-       true},
+       case_kind::spec},
       {{"spec_masked_first_block",
         "first tile fully masked, later tiles visible (failure case 1): no NaN", 104},
        make_spec_masked_first_block,
        check_masked_first_block,
-       true},
+       case_kind::spec},
       {{"spec_all_masked", "no visible key (failure case 2): O = 0, LSE = -inf", 105},
        make_spec_all_masked,
        check_all_masked,
-       true},
+       case_kind::spec},
       {{"blocksparse_empty_rows",
         "the block-sparse repro: mask randn <= 0.2 with an empty q-block row and a row whose first "
         "four k-blocks are masked",
         201},
        make_blocksparse_empty_rows,
        check_blocksparse_empty_rows,
-       false},
+       case_kind::twinned},
       {{"blocksparse_all_empty", "block mask all zero: every row is empty", 202},
        make_blocksparse_all_empty,
        nullptr,
-       false},
+       case_kind::twinned},
       {{"blocksparse_full",
         "block mask all one (broadcast over heads, partial tail block) equals dense", 203},
        make_blocksparse_full,
        nullptr,
-       false},
+       case_kind::twinned},
       {{"blocksparse_odd_blocks",
         "block sizes 24 x 40 that divide nothing (Lq = 100, Lk = 130), mask broadcast over batch",
         204},
        make_blocksparse_odd_blocks,
        nullptr,
-       false},
+       case_kind::twinned},
       {{"causal_square", "causal, Lq = Lk = 33 (both alignments agree)", 301},
-       [](fixture& fx) { make_causal(fx, 33, 33, cm::bottom_right); },
+       [](fixture& fx, const variant& v) { make_causal(fx, v, 33, 33, cm::bottom_right); },
        nullptr,
-       false},
+       case_kind::twinned},
       {{"causal_lq_gt_lk", "causal bottom-right, Lq = 40 > Lk = 24: the first 16 rows are empty",
         302},
-       [](fixture& fx) { make_causal(fx, 40, 24, cm::bottom_right); },
+       [](fixture& fx, const variant& v) { make_causal(fx, v, 40, 24, cm::bottom_right); },
        nullptr,
-       false},
+       case_kind::twinned},
       {{"causal_lq_gt_lk_top_left",
         "causal top-left, Lq = 40 > Lk = 24: row i sees keys j <= i, no empty row", 303},
-       [](fixture& fx) { make_causal(fx, 40, 24, cm::top_left); },
+       [](fixture& fx, const variant& v) { make_causal(fx, v, 40, 24, cm::top_left); },
        nullptr,
-       false},
+       case_kind::twinned},
       {{"causal_lq_lt_lk", "causal bottom-right, Lq = 24 < Lk = 40: row i sees keys j <= i + 16",
         304},
-       [](fixture& fx) { make_causal(fx, 24, 40, cm::bottom_right); },
+       [](fixture& fx, const variant& v) { make_causal(fx, v, 24, 40, cm::bottom_right); },
        nullptr,
-       false},
+       case_kind::twinned},
       {{"causal_lq_lt_lk_top_left", "causal top-left, Lq = 24 < Lk = 40: row i sees keys j <= i",
         305},
-       [](fixture& fx) { make_causal(fx, 24, 40, cm::top_left); },
+       [](fixture& fx, const variant& v) { make_causal(fx, v, 24, 40, cm::top_left); },
        nullptr,
-       false},
+       case_kind::twinned},
       {{"local_window",
         "sliding window (left 3, right 2), Lq = 48 > Lk = 40: the windows of the first 6 rows are "
         "empty",
         401},
        make_local_window,
        nullptr,
-       false},
+       case_kind::twinned},
       {{"local_window_causal", "causal sliding window (left 7), Lq = Lk = 64", 402},
        make_local_window_causal,
        nullptr,
-       false},
+       case_kind::twinned},
       {{"kv_len_zero", "kv_len = [17, 0, 5]: a batch entry without keys next to normal ones", 501},
        make_kv_len_zero,
        nullptr,
-       false},
+       case_kind::twinned},
       {{"gqa", "grouped-query attention: Hq = 8, Hk = 2", 601},
-       [](fixture& fx) {
-         dense(fx, {1, 8, 2, 16, 24, 16, 16});
+       [](fixture& fx, const variant& v) {
+         dense(fx, {1, 8, 2, 16, 24, 16, 16}, v);
        },
        nullptr,
-       false},
+       case_kind::twinned},
       {{"gqa_mqa", "multi-query attention: Hq = 4, Hk = 1", 602},
-       [](fixture& fx) {
-         dense(fx, {2, 4, 1, 12, 20, 16, 16});
+       [](fixture& fx, const variant& v) {
+         dense(fx, {2, 4, 1, 12, 20, 16, 16}, v);
        },
        nullptr,
-       false},
+       case_kind::twinned},
       {{"dv_ne_d", "D = 24 (not a power of two) and Dv = 40", 701},
-       [](fixture& fx) {
-         dense(fx, {1, 2, 2, 32, 32, 24, 40});
+       [](fixture& fx, const variant& v) {
+         dense(fx, {1, 2, 2, 32, 32, 24, 40}, v);
        },
        nullptr,
-       false},
+       case_kind::twinned},
       {{"extreme_scores",
         "scores of magnitude 1e3..1e4 (exp overflows without max subtraction), top-2 gap >= 20",
         801},
        make_extreme_scores,
        check_extreme_scores,
-       false},
+       case_kind::twinned},
       {{"monotone_maxima",
         "tile maxima rising every 4 keys (head 0: a rescale at every tile) and falling (head 1: "
         "none)",
         802},
        make_monotone_maxima,
        check_monotone_maxima,
-       false},
+       case_kind::twinned},
       {{"decode_lq1", "decoding: Lq = 1, Lk = 777, multi-query (Hq = 4, Hk = 1), D = 64", 901},
-       [](fixture& fx) {
-         dense(fx, {1, 4, 1, 1, 777, 64, 64});
+       [](fixture& fx, const variant& v) {
+         dense(fx, {1, 4, 1, 1, 777, 64, 64}, v);
        },
        nullptr,
-       false},
+       case_kind::twinned},
       {{"half_inputs_bf16", "inputs exactly representable in bfloat16, D = 64; bfloat16 tolerance",
         1001},
-       [](fixture& fx) {
-         dense(fx, {1, 2, 2, 64, 64, 64, 64}, input_dtype::bfloat16);
+       [](fixture& fx, const variant& v) {
+         dense(fx, {1, 2, 2, 64, 64, 64, 64}, v, input_dtype::bfloat16);
        },
        nullptr,
-       false},
+       case_kind::half},
       {{"half_inputs_fp16", "inputs exactly representable in float16, D = 64; float16 tolerance",
         1002},
-       [](fixture& fx) {
-         dense(fx, {1, 2, 2, 64, 64, 64, 64}, input_dtype::float16);
+       [](fixture& fx, const variant& v) {
+         dense(fx, {1, 2, 2, 64, 64, 64, 64}, v, input_dtype::float16);
        },
        nullptr,
-       false},
+       case_kind::half},
   };
   return defs;
 }
@@ -470,30 +496,78 @@ void finish(fixture& fx, bool spec) {
   fx.trace = std::move(t);
 }
 
+// A case as the folder holds it: a definition built as itself or as one of its twins.
+struct built_case {
+  case_info info;
+  const case_def* def;
+  variant v;
+  std::string twin_of;  // the float32 case, for a twin
+};
+
+const char* twin_suffix(input_dtype t) {
+  return t == input_dtype::bfloat16 ? "_bf16" : "_fp16";
+}
+
+// Every case, in the order `fixtures list` prints: the definitions, then their bfloat16 twins,
+// then their float16 twins.
+const std::vector<built_case>& built_cases() {
+  static const std::vector<built_case> all = [] {
+    std::vector<built_case> out;
+    for (const case_def& d : definitions())
+      out.push_back({d.info, &d, variant{}, ""});
+    for (const input_dtype t : {input_dtype::bfloat16, input_dtype::float16}) {
+      for (const case_def& d : definitions()) {
+        if (d.kind != case_kind::twinned) continue;
+        const variant v{t};
+        case_info info = d.info;
+        info.name += twin_suffix(t);
+        info.description = std::string(to_string(t)) + " twin of " + d.info.name +
+                           " (inputs rounded to " + to_string(t) + ", D = Dv < " +
+                           std::to_string(kTwinHeadDim) + " widened to " +
+                           std::to_string(kTwinHeadDim) + "; " + to_string(t) +
+                           " tolerance): " + d.info.description;
+        out.push_back({info, &d, v, d.info.name});
+      }
+    }
+    return out;
+  }();
+  return all;
+}
+
+// A twin reads exactly its dtype: every input rounded (idempotent where dense() did it).
+void round_inputs(fixture& fx, input_dtype t) {
+  for (auto* x : {&fx.in.q, &fx.in.k, &fx.in.v})
+    for (float& e : *x)
+      e = round_to(t, e);
+  fx.in.opt.dtype = t;
+}
+
 }  // namespace
 
 const std::vector<case_info>& cases() {
   static const std::vector<case_info> infos = [] {
     std::vector<case_info> v;
-    for (const case_def& d : definitions())
-      v.push_back(d.info);
+    for (const built_case& c : built_cases())
+      v.push_back(c.info);
     return v;
   }();
   return infos;
 }
 
 fixture generate(const std::string& name) {
-  for (const case_def& d : definitions()) {
-    if (d.info.name != name) continue;
+  for (const built_case& c : built_cases()) {
+    if (c.info.name != name) continue;
     fixture fx;
-    fx.name = d.info.name;
-    fx.description = d.info.description;
-    fx.seed = d.info.seed;
+    fx.name = c.info.name;
+    fx.description = c.info.description;
+    fx.seed = c.info.seed;
+    fx.twin_of = c.twin_of;
     fx.generator = "flashref " FLASHREF_VERSION_STRING " fixtures (format " +
                    std::to_string(kFormatVersion) + ")";
-    d.make(fx);
-    finish(fx, d.spec);
-    if (d.check != nullptr) d.check(fx);
+    c.def->make(fx, c.v);
+    if (c.v.is_twin()) round_inputs(fx, c.v.twin);
+    finish(fx, c.def->kind == case_kind::spec);
+    if (c.def->check != nullptr) c.def->check(fx);
     return fx;
   }
   throw problem_error("case: expected one of the names `flashref fixtures list` prints, got '" +

@@ -3,6 +3,7 @@
 #include <bit>
 #include <cmath>
 #include <cstdio>
+#include <type_traits>
 
 #include <xtensor/xadapt.hpp>
 
@@ -126,6 +127,7 @@ fixture read_fixture(const std::filesystem::path& path) {
   fx.description = h5::read_string_attr(f, kRoot, "description");
   fx.generator = h5::read_string_attr(f, kRoot, "generator");
   fx.seed = h5::read_uint_attr(f, kRoot, "seed");
+  fx.twin_of = opt_string(f, "twin_of", "");
   fx.tol.atol = h5::read_float_attr(f, kRoot, "atol");
   fx.tol.rtol = h5::read_float_attr(f, kRoot, "rtol");
   fx.tol.atol_lse = h5::read_float_attr(f, kRoot, "atol_lse");
@@ -156,6 +158,7 @@ void write_fixture(const std::filesystem::path& path, const fixture& fx) {
     h5::write_attr(f, kRoot, "description", fx.description);
     h5::write_attr(f, kRoot, "seed", fx.seed);
     h5::write_attr(f, kRoot, "generator", fx.generator);
+    if (!fx.twin_of.empty()) h5::write_attr(f, kRoot, "twin_of", fx.twin_of);
     h5::write_attr(f, kRoot, "scale", p.softmax_scale());
     h5::write_attr(f, kRoot, "causal", to_string(opt.causal));
     h5::write_attr(f, kRoot, "window_left", opt.window_left);
@@ -216,6 +219,96 @@ spec_row spec_row_of(const attention_problem& p, std::int64_t b, std::int64_t h,
   return r;
 }
 
+namespace {
+
+// FNV-1a, 64-bit (Fowler, Noll, Vo): simple, byte-order free, and enough to tell fixtures apart.
+class fnv1a {
+ public:
+  void bytes(const void* p, std::size_t n) {
+    const auto* b = static_cast<const unsigned char*>(p);
+    for (std::size_t i = 0; i < n; ++i)
+      h_ = (h_ ^ b[i]) * 0x100000001b3ULL;
+  }
+  // Integers and floats as 8 little-endian bytes, so that the layout is the same everywhere.
+  void u64(std::uint64_t x) {
+    for (int i = 0; i < 8; ++i) {
+      const unsigned char c = static_cast<unsigned char>(x >> (8 * i));
+      bytes(&c, 1);
+    }
+  }
+  void i64(std::int64_t x) { u64(static_cast<std::uint64_t>(x)); }
+  void f64(double x) { u64(std::bit_cast<std::uint64_t>(x)); }
+  void text(const std::string& s) {
+    u64(s.size());
+    bytes(s.data(), s.size());
+  }
+  template <class T, std::size_t R>
+  void tensor(const xt::xtensor<T, R>& x) {
+    u64(R);
+    for (std::size_t d : x.shape())
+      u64(d);
+    for (const T v : x) {
+      if constexpr (std::is_same_v<T, float>) {
+        const std::uint32_t b = std::bit_cast<std::uint32_t>(v);
+        for (int i = 0; i < 4; ++i) {
+          const unsigned char c = static_cast<unsigned char>(b >> (8 * i));
+          bytes(&c, 1);
+        }
+      } else {
+        const unsigned char c = v != 0;  // a mask: visible or not
+        bytes(&c, 1);
+      }
+    }
+  }
+  std::string hex() const {
+    char buf[17];
+    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(h_));
+    return buf;
+  }
+
+ private:
+  std::uint64_t h_ = 0xcbf29ce484222325ULL;
+};
+
+std::optional<std::string> attr_if_present(const h5::file& f, const char* name) {
+  if (!h5::has_attr(f, kRoot, name)) return std::nullopt;
+  return h5::read_string_attr(f, kRoot, name);
+}
+
+}  // namespace
+
+std::string inputs_digest(const problem_data& in) {
+  const attention_problem p = in.inputs();
+  const attention_options& opt = in.opt;
+  fnv1a h;
+  h.tensor(in.q);
+  h.tensor(in.k);
+  h.tensor(in.v);
+  h.f64(p.softmax_scale());
+  h.text(to_string(opt.causal));
+  h.i64(opt.window_left);
+  h.i64(opt.window_right);
+  h.i64(p.has_block_mask() ? opt.block_q : 0);
+  h.i64(p.has_block_mask() ? opt.block_k : 0);
+  if (p.has_block_mask()) h.tensor(opt.block_mask);
+  h.u64(opt.kv_len.size());
+  for (const std::int64_t n : opt.kv_len)
+    h.i64(n);
+  h.text(to_string(opt.dtype));
+  return h.hex();
+}
+
+result_info read_result_info(const std::filesystem::path& path) {
+  const h5::file f = h5::file::open(path);
+  result_info info;
+  info.case_name = attr_if_present(f, "case");
+  info.inputs_digest = attr_if_present(f, "inputs_digest");
+  info.backend = attr_if_present(f, "backend");
+  info.o_dtype = h5::type_of(f, "/o");
+  if (f.has("/lse")) info.lse_dtype = h5::type_of(f, "/lse");
+  return info;
+}
+
 result read_result(const std::filesystem::path& path, const reference::golden& golden) {
   const h5::file f = h5::file::open(path);
   const auto& s = golden.o_shape;
@@ -230,11 +323,14 @@ result read_result(const std::filesystem::path& path, const reference::golden& g
 }
 
 void write_result(const std::filesystem::path& path, const xt::xtensor<float, 4>& o,
-                  const xt::xtensor<float, 3>& lse, const std::string& backend) {
+                  const xt::xtensor<float, 3>& lse, const std::string& backend,
+                  const std::string& case_name, const std::string& digest) {
   h5::write_atomically(path, [&](h5::file& f) {
     h5::dump(f, "/o", o);
     h5::dump(f, "/lse", lse);
     h5::write_attr(f, kRoot, "backend", backend);
+    if (!case_name.empty()) h5::write_attr(f, kRoot, "case", case_name);
+    if (!digest.empty()) h5::write_attr(f, kRoot, "inputs_digest", digest);
   });
 }
 

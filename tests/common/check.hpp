@@ -62,6 +62,7 @@ inline conformance_report check_against_naive(problem_data& d,
     CAPTURE(r_.nan_rows, r_.empty_rows, r_.empty_rows_bad, r_.bad_elements, r_.max_abs_err, \
             r_.max_rel_err, r_.max_lse_err);                                                \
     REQUIRE(r_.nan_rows == 0);                                                              \
+    REQUIRE(r_.inf_rows == 0);                                                              \
     REQUIRE(r_.empty_rows_bad == 0);                                                        \
     REQUIRE(r_.bad_elements == 0);                                                          \
   } while (0)

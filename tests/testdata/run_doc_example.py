@@ -1,15 +1,22 @@
-"""Extracts the Python example of docs/fixtures.md and runs it as a user would: in a folder
-with `testdata/` (the committed fixtures) and `flashref` on PATH. Exit status 77 (skipped)
-when this python3 lacks h5py or numpy; otherwise the example's own exit status."""
+"""Runs the Python examples of docs/fixtures.md as a user would: in a folder with `testdata/`
+(the committed fixtures) and `flashref` on PATH, every block marked `<!-- example: NAME.py -->`
+in the order of the page; then every ```console block of the page whose first line is
+`$ flashref ...`, comparing the command's output (stdout and stderr) with the block. With
+--update the blocks are rewritten with what the tool prints instead.
+
+Exit status 77 (skipped) when this python3 lacks h5py or numpy; 1 when an example fails or an
+output differs; 0 otherwise."""
 
 import argparse
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
 
-MARKER = "<!-- example: check_fixtures.py -->"
+MARKER = re.compile(r"<!-- example: ([\w.-]+\.py) -->\n```python\n(.*?)```", re.S)
+CONSOLE = re.compile(r"```console\n\$ (flashref[^\n]*)\n(.*?)```", re.S)
 
 
 def main():
@@ -18,6 +25,7 @@ def main():
     ap.add_argument("--testdata", required=True)
     ap.add_argument("--flashref", required=True)
     ap.add_argument("--work", required=True)
+    ap.add_argument("--update", action="store_true", help="rewrite the console blocks")
     args = ap.parse_args()
 
     try:
@@ -29,24 +37,49 @@ def main():
         return 77
 
     text = open(args.doc, encoding="utf-8").read()
-    at = text.find(MARKER)
-    if at < 0:
-        print(f"{args.doc}: expected the marker '{MARKER}', got none")
-        return 1
-    block = re.search(r"```python\n(.*?)```", text[at:], re.S)
-    if block is None:
-        print(f"{args.doc}: expected a ```python block after '{MARKER}', got none")
+    examples = MARKER.findall(text)
+    if not examples:
+        print(f"{args.doc}: expected blocks marked '<!-- example: NAME.py -->', got none")
         return 1
 
     shutil.rmtree(args.work, ignore_errors=True)
     os.makedirs(args.work)
     os.symlink(os.path.abspath(args.testdata), os.path.join(args.work, "testdata"))
-    script = os.path.join(args.work, "check_fixtures.py")
-    with open(script, "w", encoding="utf-8") as f:
-        f.write(block.group(1))
     env = dict(os.environ)
     env["PATH"] = os.path.dirname(os.path.abspath(args.flashref)) + os.pathsep + env.get("PATH", "")
-    return subprocess.run([sys.executable, script], cwd=args.work, env=env).returncode
+    for name, code in examples:
+        script = os.path.join(args.work, name)
+        with open(script, "w", encoding="utf-8") as f:
+            f.write(code)
+        rc = subprocess.run([sys.executable, script], cwd=args.work, env=env).returncode
+        if rc != 0:
+            print(f"{args.doc}: example {name} exited with status {rc}")
+            return 1
+
+    failures, out, pos = 0, [], 0
+    for m in CONSOLE.finditer(text):
+        proc = subprocess.run(shlex.split(m.group(1)), cwd=args.work, env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        if proc.stdout != m.group(2) and not args.update:
+            failures += 1
+            print(f"{args.doc}: output of `{m.group(1)}` differs from the tool's:")
+            want, got = m.group(2).splitlines(), proc.stdout.splitlines()
+            for i in range(max(len(want), len(got))):
+                w = want[i] if i < len(want) else "<none>"
+                g = got[i] if i < len(got) else "<none>"
+                if w != g:
+                    print(f"  line {i + 1}:\n    doc:  {w}\n    tool: {g}")
+                    break
+        out.append(text[pos:m.start(2)] + proc.stdout)
+        pos = m.end(2)
+    out.append(text[pos:])
+    if args.update:
+        with open(args.doc + ".tmp", "w", encoding="utf-8") as f:
+            f.write("".join(out))
+        os.replace(args.doc + ".tmp", args.doc)
+    print(f"{args.doc}: {len(examples)} examples run, "
+          f"{len(CONSOLE.findall(text))} command outputs {'written' if args.update else 'checked'}")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":

@@ -49,7 +49,7 @@ TEST_CASE("the committed folder holds exactly the generator's cases, small", "[f
   for (const td::case_info& c : td::cases())
     generated.insert(c.name);
   CHECK(on_disk == generated);
-  CHECK(bytes < 4u * 1024 * 1024);  // the whole folder well under 10 MB
+  CHECK(bytes < 16u * 1024 * 1024);  // the whole folder, twins included, under 16 MB
   for (const char* required : {"spec_random",
                                "spec_rescale_lower",
                                "spec_rescale_higher",
@@ -372,4 +372,64 @@ TEST_CASE("generation is deterministic and every case checks its own property", 
     CHECK(a.seed == c.seed);
   }
   CHECK_THROWS_AS(td::generate("no_such_case"), flashref::problem_error);
+}
+
+TEST_CASE("every float32 case but the spec cases has a bfloat16 and a float16 twin",
+          "[fixtures][twins]") {
+  std::set<std::string> names;
+  for (const td::case_info& c : td::cases())
+    names.insert(c.name);
+  std::size_t twins = 0;
+  for (const td::case_info& c : td::cases()) {
+    const td::fixture base = load(c.name);
+    CAPTURE(c.name);
+    if (!base.twin_of.empty()) {
+      ++twins;
+      CHECK(names.count(base.twin_of) == 1);
+      continue;
+    }
+    const bool twinned =
+        !is_spec_case(c.name) && base.in.opt.dtype == flashref::input_dtype::float32;
+    for (const auto& [suffix, dtype] : {std::pair{"_bf16", flashref::input_dtype::bfloat16},
+                                        std::pair{"_fp16", flashref::input_dtype::float16}}) {
+      const std::string name = c.name + suffix;
+      CAPTURE(name);
+      REQUIRE(names.count(name) == std::size_t(twinned));
+      if (!twinned) continue;
+      const td::fixture twin = load(name);
+      CHECK(twin.twin_of == c.name);
+      CHECK(twin.seed == base.seed);
+      CHECK(twin.in.opt.dtype == dtype);
+      CHECK(!twin.trace.has_value());
+      // The same problem but for the head dims: masks, lengths, heads, batch.
+      const auto& bq = base.in.q.shape();
+      const auto& tq = twin.in.q.shape();
+      CHECK(tq[0] == bq[0]);
+      CHECK(tq[1] == bq[1]);
+      CHECK(tq[2] == bq[2]);
+      CHECK(twin.in.k.shape(1) == base.in.k.shape(1));
+      CHECK(twin.in.k.shape(2) == base.in.k.shape(2));
+      const std::size_t D = base.in.q.shape(3), Dv = base.in.v.shape(3);
+      const std::size_t want_d = D == Dv ? std::max<std::size_t>(D, 64) : D;
+      CHECK(tq[3] == want_d);
+      CHECK(twin.in.v.shape(3) == (D == Dv ? want_d : Dv));
+      CHECK(twin.in.opt.causal == base.in.opt.causal);
+      CHECK(twin.in.opt.window_left == base.in.opt.window_left);
+      CHECK(twin.in.opt.window_right == base.in.opt.window_right);
+      CHECK(twin.in.opt.block_q == base.in.opt.block_q);
+      CHECK(twin.in.opt.block_k == base.in.opt.block_k);
+      CHECK((twin.in.opt.block_mask == base.in.opt.block_mask));
+      CHECK(twin.in.opt.kv_len == base.in.opt.kv_len);
+      // The same rows see no key: the empty-row semantics are judged in half precision too.
+      REQUIRE(twin.golden.lse.size() == base.golden.lse.size());
+      for (std::size_t r = 0; r < base.golden.lse.size(); ++r)
+        CHECK((twin.golden.lse[r] == -INFINITY) == (base.golden.lse[r] == -INFINITY));
+      // Golden values of the stored (rounded) inputs, with the half tolerance.
+      const flashref::reference::golden g = flashref::reference::naive_attention(twin.in.inputs());
+      CHECK(g.o == twin.golden.o);
+      CHECK(g.lse == twin.golden.lse);
+      CHECK(twin.tol.rtol == flashref::default_tolerance(dtype, 1.0).rtol);
+    }
+  }
+  CHECK(twins == 2 * 18);
 }

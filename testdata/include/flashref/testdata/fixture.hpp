@@ -6,7 +6,8 @@
 //   fixture        a problem file with every attribute, /golden/o, /golden/lse, and /trace
 //                  for the spec cases
 //   result file    /o (B, Hq, Lq, Dv) and /lse (B, Hq, Lq), written by `flashref run` or by
-//                  any other kernel; any HDF5 float type
+//                  any other kernel; any HDF5 float type; `flashref run` adds the root
+//                  attributes backend, case and inputs_digest
 
 #include <cstdint>
 #include <filesystem>
@@ -54,6 +55,7 @@ struct fixture {
   std::string description;  // what it pins, one line
   std::string generator;    // tool and version that wrote it
   std::uint64_t seed = 0;
+  std::string twin_of;              // a half-precision twin: the float32 case it rounds; else empty
   problem_data in;                  // inputs and options; its outputs are unused
   tolerance tol;                    // atol (already scaled by max|V|), rtol, atol_lse
   reference::golden golden;         // float64 o (B, Hq, Lq, Dv) and lse (B, Hq, Lq)
@@ -78,6 +80,23 @@ struct spec_row {
 // Throws problem_error when (b, h, i) is not a row of p.
 spec_row spec_row_of(const attention_problem& p, std::int64_t b, std::int64_t h, std::int64_t i);
 
+// A short digest of everything that determines a problem's result: q, k, v as stored
+// (float32), the block mask, kv_len, the resolved scale, the masks' options and input_dtype.
+// 16 hex digits of FNV-1a (64-bit) over a fixed byte layout (docs/fixtures.md); `flashref run`
+// records it in a result so that `flashref check` can refuse a result of other inputs.
+std::string inputs_digest(const problem_data& in);
+
+// What a result file says about itself, read before its datasets: where it comes from (root
+// attributes, all optional — other tools' files carry none) and how /o and /lse are stored.
+struct result_info {
+  std::optional<std::string> case_name;      // attribute `case`: the fixture it was computed for
+  std::optional<std::string> inputs_digest;  // attribute `inputs_digest`
+  std::optional<std::string> backend;        // attribute `backend`
+  std::string o_dtype;                       // HDF5 type of /o: "float32", "float16", ...
+  std::string lse_dtype;                     // of /lse; empty when the file has none
+};
+result_info read_result_info(const std::filesystem::path& path);
+
 // A result file: O and LSE of some kernel on a problem.
 struct result {
   xt::xtensor<double, 4> o;    // (B, Hq, Lq, Dv)
@@ -88,8 +107,10 @@ struct result {
 // Reads /o and /lse of any HDF5 float type; their shapes must be those of the golden result.
 // /lse is optional (not every kernel exposes it): without it only O can be judged.
 result read_result(const std::filesystem::path& path, const reference::golden& golden);
-// Writes /o and /lse as float32 atomically; `backend` is recorded as a root attribute.
+// Writes /o and /lse as float32 atomically; `backend` is recorded as a root attribute, and so
+// are `case_name` and `digest` (inputs_digest) when not empty.
 void write_result(const std::filesystem::path& path, const xt::xtensor<float, 4>& o,
-                  const xt::xtensor<float, 3>& lse, const std::string& backend);
+                  const xt::xtensor<float, 3>& lse, const std::string& backend,
+                  const std::string& case_name = {}, const std::string& digest = {});
 
 }  // namespace flashref::testdata
