@@ -42,15 +42,15 @@ const char* const kNoCudaBackward = "the CUDA backend has no backward pass yet";
 std::vector<backend_info> backends() {
   std::vector<backend_info> out;
   const std::vector<input_dtype> f32{input_dtype::float32};
-  out.push_back({backend::reference, true, true, "", f32, true, ""});
-#if defined(FLASHREF_HAVE_CPU)
-  out.push_back({backend::cpu, true, true, "", f32, true, ""});
-#else
-  out.push_back(
-      {backend::cpu, false, false, "the CPU backend is not built into this library", f32});
-#endif
   const std::vector<input_dtype> all{input_dtype::float32, input_dtype::bfloat16,
                                      input_dtype::float16};
+  out.push_back({backend::reference, true, true, "", f32, true, ""});
+#if defined(FLASHREF_HAVE_CPU)
+  out.push_back({backend::cpu, true, true, "", all, true, ""});  // bf16/fp16: the half paths
+#else
+  out.push_back(
+      {backend::cpu, false, false, "the CPU backend is not built into this library", all});
+#endif
 #if defined(FLASHREF_HAVE_CUDA)
   std::string why;
   const bool dev = cuda::device_available(&why);

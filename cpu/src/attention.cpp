@@ -12,6 +12,11 @@
 #include <string>
 #include <vector>
 
+#if defined(FLASHREF_CPU_X86)
+#include <xmmintrin.h>
+#endif
+
+#include "flashref/cpu/half.hpp"
 #include "flashref/reference/merge.hpp"
 #include "kernel.hpp"
 
@@ -40,14 +45,42 @@ std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
   return (a + b - 1) / b;
 }
 
+// The kernels of a half path: nullptr for convert (the instruction set's own kernels).
+const kernel_table* table_of(half_path h) {
+  switch (h) {
+#if defined(FLASHREF_CPU_X86)
+    case half_path::avx512_bf16:
+      return &detail::avx512_bf16_kernels();
+    case half_path::amx:
+      return &detail::amx_kernels();
+#endif
+    default:
+      return nullptr;
+  }
+}
+
 bool processor_runs(isa i) {
 #if defined(FLASHREF_CPU_X86)
   __builtin_cpu_init();
-  if (i == isa::avx2) return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (i == isa::avx2)
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
   if (i == isa::avx512)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
 #endif
   return i == isa::portable;
+}
+
+bool processor_runs(half_path h) {
+  if (h == half_path::convert) return true;
+#if defined(FLASHREF_CPU_X86)
+  __builtin_cpu_init();
+  const bool avx512 = processor_runs(isa::avx512) && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  if (h == half_path::avx512_bf16) return avx512 && __builtin_cpu_supports("avx512bf16");
+  if (h == half_path::amx) return avx512 && detail::amx_granted();
+#endif
+  return false;
 }
 
 std::string supported_list() {
@@ -123,6 +156,47 @@ bool supported(isa i) {
   return compiled(i) && processor_runs(i);
 }
 
+const char* to_string(half_path h) {
+  switch (h) {
+    case half_path::automatic:
+      return "automatic";
+    case half_path::convert:
+      return "convert";
+    case half_path::avx512_bf16:
+      return "avx512_bf16";
+    case half_path::amx:
+      return "amx";
+  }
+  return "?";
+}
+
+half_path parse_half_path(const std::string& s) {
+  for (half_path h :
+       {half_path::automatic, half_path::convert, half_path::avx512_bf16, half_path::amx})
+    if (s == to_string(h)) return h;
+  std::string got = "'";
+  got.append(s).append("'");
+  fail("half_path", "one of automatic, convert, avx512_bf16, amx", got);
+}
+
+bool compiled(half_path h) {
+  return h == half_path::convert || table_of(h) != nullptr;
+}
+
+bool supported(half_path h) {
+  return compiled(h) && processor_runs(h);
+}
+
+std::vector<half_path> supported_half_paths(input_dtype dtype) {
+  std::vector<half_path> out;
+  if (dtype == input_dtype::float32) return out;
+  out.push_back(half_path::convert);
+  if (dtype == input_dtype::bfloat16)
+    for (half_path h : {half_path::avx512_bf16, half_path::amx})
+      if (supported(h)) out.push_back(h);
+  return out;
+}
+
 std::vector<isa> supported_isas() {
   std::vector<isa> out;
   for (isa i : {isa::portable, isa::avx2, isa::avx512})
@@ -147,7 +221,27 @@ plan make_plan(const attention_problem& p, const options& opt) {
   pl.used = opt.instruction_set == isa::automatic ? best_isa() : opt.instruction_set;
   if (!supported(pl.used))  // forced on a processor (or build) without it
     unsupported(pl.used);
-  const kernel_table& kt = *table_of(pl.used);
+  pl.half = half_path::convert;
+  if (p.dtype != input_dtype::float32) {
+    const std::vector<half_path> paths = supported_half_paths(p.dtype);
+    if (opt.half == half_path::automatic) {
+      // The bf16 kernels are AVX-512 kernels: a lesser instruction set converts.
+      if (pl.used == isa::avx512) pl.half = paths.back();
+    } else if (std::find(paths.begin(), paths.end(), opt.half) == paths.end() ||
+               (opt.half != half_path::convert && pl.used != isa::avx512)) {
+      std::string expected = "a path this processor runs for ";
+      expected.append(to_string(p.dtype)).append(" inputs on ").append(to_string(pl.used));
+      expected.append(" (convert");
+      if (pl.used == isa::avx512)
+        for (std::size_t n = 1; n < paths.size(); ++n)
+          expected.append(", ").append(to_string(paths[n]));
+      expected.append(")");
+      fail("half_path", expected, std::string("'") + to_string(opt.half) + "'");
+    } else {
+      pl.half = opt.half;
+    }
+  }
+  const kernel_table& kt = pl.half == half_path::convert ? *table_of(pl.used) : *table_of(pl.half);
   pl.tile_q = opt.tile_q > 0 ? opt.tile_q : kt.default_tq;
   pl.tile_k = opt.tile_k > 0 ? opt.tile_k : kt.default_tk;
   pl.threads = opt.threads > 0 ? opt.threads : omp_get_max_threads();
@@ -170,15 +264,44 @@ void attention(const attention_problem& p) {
   attention(p, options{});
 }
 
-void attention(const attention_problem& p, const options& opt) {
+namespace {
+
+// The inputs' storage and where O goes, for either entry.
+struct storage_of {
+  detail::storage in = detail::storage::f32;
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  std::uint16_t* o16 = nullptr;  // O in p.dtype instead of float32 in p.o
+};
+
+// The problem as validate() sees it: the 16-bit storage stands in for the float views, whose
+// data pointers are only checked for null.
+attention_problem with_half_storage(const half_problem& hp) {
+  attention_problem p = hp.p;
+  if (p.dtype == input_dtype::float32)
+    fail("dtype", "bfloat16 or float16 for 16-bit storage", "float32");
+  p.q.data = reinterpret_cast<const float*>(hp.q);
+  p.k.data = reinterpret_cast<const float*>(hp.k);
+  p.v.data = reinterpret_cast<const float*>(hp.v);
+  if (hp.o != nullptr) p.o.data = reinterpret_cast<float*>(hp.o);
+  return p;
+}
+
+void run(const attention_problem& p, const storage_of& st, const options& opt) {
   const plan pl = make_plan(p, opt);
-  const kernel_table& kt = *table_of(pl.used);
+  const kernel_table& kt = pl.half == half_path::convert ? *table_of(pl.used) : *table_of(pl.half);
   const std::int64_t B = p.batch(), Hq = p.heads_q(), Lq = p.len_q(), Lk = p.len_k();
   const std::int64_t Dv = p.head_dim_v();
   if (B * Hq * Lq == 0) return;  // O and LSE have no elements
 
   context ctx;
   ctx.p = &p;
+  ctx.in = st.in;
+  ctx.q = st.q;
+  ctx.k = st.k;
+  ctx.v = st.v;
+  ctx.bf16_dot = pl.half == half_path::avx512_bf16 || pl.half == half_path::amx;
   ctx.mask = make_mask_spec(p);
   ctx.scale = float(p.softmax_scale());
   ctx.Lq = Lq;
@@ -188,6 +311,21 @@ void attention(const attention_problem& p, const options& opt) {
   ctx.group = p.group_size();
   ctx.tq = pl.tile_q;
   ctx.tk = pl.tile_k;
+  // The bf16 kernels read K and Vᵀ in bfloat16, packed once here for every query tile.
+  std::vector<std::uint16_t> kb, vt;
+  std::vector<std::uint8_t> v_bad;
+  const std::int64_t heads_kv = B * p.heads_k();
+  if (ctx.bf16_dot) {
+    ctx.Dkp = ceil_div(ctx.D, detail::kDotK) * detail::kDotK;     // whole AMX tile rows
+    ctx.Dvp = ceil_div(Dv, detail::kDotRow) * detail::kDotRow;    // whole result tiles
+    ctx.Lkp = (ceil_div(Lk, detail::kDotK) + 1) * detail::kDotK;  // room for rounded-up reads
+    kb.resize(std::size_t(heads_kv * ctx.Lkp * ctx.Dkp));
+    vt.resize(std::size_t(heads_kv * ctx.Dvp * ctx.Lkp));
+    v_bad.resize(std::size_t(heads_kv * ctx.Lkp / detail::kDotK));
+    ctx.kb = kb.data();
+    ctx.vt = vt.data();
+    ctx.v_bad = v_bad.data();
+  }
 
   const std::int64_t nqt = ceil_div(Lq, pl.tile_q), splits = pl.kv_splits;
   const std::int64_t items = B * Hq * nqt * splits;
@@ -215,6 +353,12 @@ void attention(const attention_problem& p, const options& opt) {
     ws.range.resize(std::size_t(pl.tile_q));
     ws.visible.resize(vis_bytes);
 
+    if (ctx.bf16_dot) {
+#pragma omp for schedule(static)
+      for (std::int64_t bh = 0; bh < heads_kv; ++bh)
+        kt.prepack(ctx, bh / p.heads_k(), bh % p.heads_k());
+    }
+
     // Heaviest first: with a causal mask the last query tiles see the most keys.
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t idx = 0; idx < items; ++idx) {
@@ -234,7 +378,13 @@ void attention(const attention_problem& p, const options& opt) {
       it.k1 = std::min(it.k0 + pl.kv_chunk, Lk);
       out_rows out;
       if (splits == 1) {
-        out.o = p.o.data + b * p.o.stride[0] + h * p.o.stride[1] + it.q0 * p.o.stride[2];
+        const std::int64_t at = b * p.o.stride[0] + h * p.o.stride[1] + it.q0 * p.o.stride[2];
+        if (st.o16 != nullptr) {
+          out.o16 = st.o16 + at;
+          out.o16_dtype = p.dtype;
+        } else {
+          out.o = p.o.data + at;
+        }
         out.o_row = p.o.stride[2];
         out.o_col = p.o.stride[3];
         if (p.lse.data != nullptr) {
@@ -267,14 +417,47 @@ void attention(const attention_problem& p, const options& opt) {
                                part_lse[std::size_t(at)], Dv, o_row.data());
         }
         const std::int64_t i = row % Lq, h = row / Lq % Hq, b = row / (Lq * Hq);
-        float* o = p.o.data + b * p.o.stride[0] + h * p.o.stride[1] + i * p.o.stride[2];
-        for (std::int64_t d = 0; d < Dv; ++d)
-          o[d * p.o.stride[3]] = o_row[std::size_t(d)];
+        const std::int64_t at = b * p.o.stride[0] + h * p.o.stride[1] + i * p.o.stride[2];
+        if (st.o16 != nullptr) {
+          const bool bf16 = p.dtype == input_dtype::bfloat16;
+          for (std::int64_t d = 0; d < Dv; ++d) {
+            const float x = o_row[std::size_t(d)];
+            st.o16[at + d * p.o.stride[3]] = bf16 ? bf16_from_float(x) : f16_from_float(x);
+          }
+        } else {
+          for (std::int64_t d = 0; d < Dv; ++d)
+            p.o.data[at + d * p.o.stride[3]] = o_row[std::size_t(d)];
+        }
         if (p.lse.data != nullptr)
           p.lse.data[b * p.lse.stride[0] + h * p.lse.stride[1] + i * p.lse.stride[2]] = lse;
       }
     }
   }
+}
+
+}  // namespace
+
+void attention(const attention_problem& p, const options& opt) {
+  storage_of st;
+  st.q = p.q.data;
+  st.k = p.k.data;
+  st.v = p.v.data;
+  run(p, st, opt);
+}
+
+plan make_plan(const half_problem& hp, const options& opt) {
+  return make_plan(with_half_storage(hp), opt);
+}
+
+void attention(const half_problem& hp, const options& opt) {
+  const attention_problem p = with_half_storage(hp);
+  storage_of st;
+  st.in = p.dtype == input_dtype::bfloat16 ? detail::storage::bf16 : detail::storage::f16;
+  st.q = hp.q;
+  st.k = hp.k;
+  st.v = hp.v;
+  st.o16 = hp.o;
+  run(p, st, opt);
 }
 
 double peak_fma_gflops(isa i, int threads, double seconds) {

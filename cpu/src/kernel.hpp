@@ -14,15 +14,53 @@
 #endif
 
 #include "flashref/cpu/attention.hpp"
+#include "flashref/cpu/half.hpp"
 #include "flashref/reference/backward.hpp"
 #include "flashref/reference/mask.hpp"
 #include "flashref/reference/online_softmax.hpp"
 #include "flashref/reference/problem.hpp"
 
+// Unrolls the loop that follows completely: the register-blocked micro-kernels index their
+// accumulators by loop counters of compile-time trip count, and only a complete unroll keeps
+// them in registers (GCC at -O2 leaves such loops rolled, its accumulators on the stack).
+#if defined(__clang__)
+#define FLASHREF_UNROLL _Pragma("unroll")
+#else
+#define FLASHREF_UNROLL _Pragma("GCC unroll 16")
+#endif
+
 namespace flashref::cpu::detail {
 
+// How q, k and v are stored: float32, or the 16-bit patterns of bfloat16 / float16 values.
+enum class storage { f32, bf16, f16 };
+
+// A 16-bit element of bf16 or f16 storage, typed so that the kernels overload on it.
+struct bf16_bits {
+  std::uint16_t bits;
+};
+struct f16_bits {
+  std::uint16_t bits;
+};
+
+// The bf16 kernels' granules: keys and head-dim elements per step (an AMX tile row of 32
+// bfloat16), and result rows per AMX tile.
+constexpr std::int64_t kDotK = 32;
+constexpr std::int64_t kDotRow = 16;
+
 struct context {
-  const attention_problem* p = nullptr;
+  const attention_problem* p = nullptr;  // shapes, strides, masks (its q, k, v data: see `in`)
+  storage in = storage::f32;
+  const void* q = nullptr;  // the inputs' elements in `in`'s storage
+  const void* k = nullptr;
+  const void* v = nullptr;
+  bool bf16_dot = false;  // the bf16 dot-product kernels (half_path avx512_bf16 / amx)
+  // Their operands, packed once per call by kernel_table::prepack (kernel_bf16_body.inc):
+  // K (B, Hk, Lkp, Dkp) and Vᵀ (B, Hk, Dvp, Lkp) in bfloat16, zero-padded, and per 32 keys
+  // whether a value row holds a NaN or ±inf (B, Hk, Lkp / 32).
+  std::uint16_t* kb = nullptr;
+  std::uint16_t* vt = nullptr;
+  std::uint8_t* v_bad = nullptr;
+  std::int64_t Lkp = 0, Dkp = 0, Dvp = 0;
   mask_spec mask;
   float scale = 1.0f;
   std::int64_t Lq = 0, Lk = 0, D = 0, Dv = 0, group = 1;
@@ -39,6 +77,8 @@ struct work_item {
 // partial result of SPEC §5 over the item's keys.
 struct out_rows {
   float* o = nullptr;
+  std::uint16_t* o16 = nullptr;  // instead of o: O rounded to o16_dtype (bfloat16 / float16)
+  input_dtype o16_dtype = input_dtype::bfloat16;
   std::int64_t o_row = 0, o_col = 1;
   float* lse = nullptr;
   std::int64_t lse_row = 0;
@@ -77,6 +117,8 @@ struct kernel_table {
   std::int64_t default_tk;
   std::size_t (*workspace_floats)(const context& ctx);
   void (*run)(const context& ctx, const work_item& item, const out_rows& out, thread_workspace& ws);
+  // bf16 kernels only (else null): fills ctx.kb, ctx.vt and ctx.v_bad for one (batch, kv head).
+  void (*prepack)(const context& ctx, std::int64_t b, std::int64_t hk);
   // Runs `iterations` rounds of independent FMAs on one thread; returns the FLOPs done.
   double (*fma_loop)(std::int64_t iterations);
   std::size_t (*backward_workspace_floats)(const backward_context& ctx);
@@ -89,6 +131,10 @@ const kernel_table* table_of(isa i);  // null when not compiled into this librar
 #if defined(FLASHREF_CPU_X86)
 const kernel_table& avx2_kernels();
 const kernel_table& avx512_kernels();
+const kernel_table& avx512_bf16_kernels();  // AVX-512 + vdpbf16ps
+const kernel_table& amx_kernels();          // AVX-512 + AMX tiles (tdpbf16ps)
+// Asks the operating system for the AMX tile state once per process; false when refused.
+bool amx_granted();
 #endif
 
 struct free_deleter {

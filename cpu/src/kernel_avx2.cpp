@@ -1,5 +1,6 @@
-// The kernels compiled for AVX2 + FMA. Only called after a run-time check of the processor
-// (attention.cpp); the rest of the library is compiled for the baseline.
+// The kernels compiled for AVX2 + FMA (+ F16C, which every AVX2 processor has). Only called after a
+// run-time check of the processor (attention.cpp); the rest of the library is compiled for the
+// baseline.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -10,10 +11,10 @@
 #include "kernel.hpp"
 
 #if defined(__clang__)
-#pragma clang attribute push(__attribute__((target("avx2,fma"))), apply_to = function)
+#pragma clang attribute push(__attribute__((target("avx2,fma,f16c"))), apply_to = function)
 #else
 #pragma GCC push_options
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #endif
 
 // After the target pragmas: exp_lanes is compiled for this instruction set.
@@ -31,6 +32,13 @@ struct vec {
   static constexpr std::int64_t kTileQ = 128, kTileK = 128;
 
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
+  static reg load(const bf16_bits* p) {  // bfloat16 bits are the high half of a float's
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static reg load(const f16_bits* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
   static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
   static reg set1(float x) { return _mm256_set1_ps(x); }
   static reg zero() { return _mm256_setzero_ps(); }
@@ -76,8 +84,15 @@ struct vec {
 }  // namespace
 
 const kernel_table& table() {
-  static const kernel_table t{isa::avx2,        W,   vec::kTileQ, vec::kTileK,
-                              workspace_floats, run, fma_loop,    backward_workspace_floats,
+  static const kernel_table t{isa::avx2,
+                              W,
+                              vec::kTileQ,
+                              vec::kTileK,
+                              workspace_floats,
+                              run_fp32,
+                              /*prepack=*/nullptr,
+                              fma_loop,
+                              backward_workspace_floats,
                               run_backward};
   return t;
 }

@@ -33,6 +33,12 @@ struct vec {
   static reg load(const float* p) {
     return map([&](int l) { return p[l]; });
   }
+  static reg load(const bf16_bits* p) {
+    return map([&](int l) { return bf16_to_float(p[l].bits); });
+  }
+  static reg load(const f16_bits* p) {
+    return map([&](int l) { return f16_to_float(p[l].bits); });
+  }
   static void store(float* p, const reg& x) {
     for (int l = 0; l < W; ++l)
       p[l] = x.v[l];
@@ -108,8 +114,15 @@ struct vec {
 }  // namespace
 
 const kernel_table& table() {
-  static const kernel_table t{isa::portable,    W,   vec::kTileQ, vec::kTileK,
-                              workspace_floats, run, fma_loop,    backward_workspace_floats,
+  static const kernel_table t{isa::portable,
+                              W,
+                              vec::kTileQ,
+                              vec::kTileK,
+                              workspace_floats,
+                              run_fp32,
+                              /*prepack=*/nullptr,
+                              fma_loop,
+                              backward_workspace_floats,
                               run_backward};
   return t;
 }

@@ -1,9 +1,13 @@
 // The CPU backend's own tests: the conformance catalogue on every instruction set this
 // processor runs and at tile sizes of its own (the suite in tests/conformance runs it through
 // backend::cpu), the determinism contract (bitwise identical on 1, 2, 3 and 7 threads),
-// independence of the tile sizes and of the split-KV chunking, and option validation.
+// independence of the tile sizes and of the split-KV chunking, and option validation; then the
+// same for bfloat16 and float16 inputs on every half path the processor runs (convert,
+// avx512_bf16, amx), through float32 and through 16-bit storage.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -12,8 +16,11 @@
 #include "../common/catalogue.hpp"
 #include "../common/check.hpp"
 #include "flashref/cpu/attention.hpp"
+#include "flashref/cpu/half.hpp"
+#include "flashref/testdata/fixture.hpp"
 
 using flashref::causal_mode;
+using flashref::cpu::half_path;
 using flashref::cpu::isa;
 using flashref::test::catalogue_case;
 using flashref::test::check_against_naive;
@@ -181,5 +188,237 @@ TEST_CASE("cpu: the peak FMA microbenchmark measures something", "[cpu]") {
     const double g = flashref::cpu::peak_fma_gflops(i, 1, 0.01);
     CAPTURE(flashref::cpu::to_string(i), g);
     REQUIRE(g > 0.1);
+  }
+}
+
+// ---- bfloat16 and float16 inputs -------------------------------------------------------------
+
+namespace {
+
+flashref::cpu::options with_half(half_path h, std::int64_t tq = 0, std::int64_t tk = 0) {
+  flashref::cpu::options opt;
+  opt.half = h;
+  opt.tile_q = tq;
+  opt.tile_k = tk;
+  return opt;
+}
+
+constexpr flashref::input_dtype kHalves[] = {flashref::input_dtype::bfloat16,
+                                             flashref::input_dtype::float16};
+
+// 16-bit storage of a float tensor whose values are representable in `dtype`.
+template <class X>
+std::vector<std::uint16_t> to_bits(const X& x, flashref::input_dtype dtype) {
+  std::vector<std::uint16_t> out(x.size());
+  for (std::size_t n = 0; n < x.size(); ++n)
+    out[n] = dtype == flashref::input_dtype::bfloat16 ? flashref::cpu::bf16_from_float(x.data()[n])
+                                                      : flashref::cpu::f16_from_float(x.data()[n]);
+  return out;
+}
+
+float from_bits(std::uint16_t h, flashref::input_dtype dtype) {
+  return dtype == flashref::input_dtype::bfloat16 ? flashref::cpu::bf16_to_float(h)
+                                                  : flashref::cpu::f16_to_float(h);
+}
+
+}  // namespace
+
+TEST_CASE("cpu: bfloat16 and float16 conversions round to nearest even", "[cpu][half]") {
+  using flashref::input_dtype;
+  for (std::uint32_t h = 0; h < 0x10000u; ++h) {  // every 16-bit pattern round-trips
+    const auto b = std::uint16_t(h);
+    const float fb = flashref::cpu::bf16_to_float(b), fh = flashref::cpu::f16_to_float(b);
+    if (!std::isnan(fb)) REQUIRE(flashref::cpu::bf16_from_float(fb) == b);
+    if (!std::isnan(fh)) REQUIRE(flashref::cpu::f16_from_float(fh) == b);
+    if (std::isnan(fb))
+      REQUIRE(std::isnan(flashref::cpu::bf16_to_float(flashref::cpu::bf16_from_float(fb))));
+    if (std::isnan(fh))
+      REQUIRE(std::isnan(flashref::cpu::f16_to_float(flashref::cpu::f16_from_float(fh))));
+  }
+  // Against the fixtures' rounding, over every exponent (subnormal, overflow and ties too).
+  for (std::uint64_t u = 0; u < (1ull << 32); u += 65521) {
+    const float x = std::bit_cast<float>(std::uint32_t(u));
+    if (std::isnan(x)) continue;
+    CAPTURE(u);
+    REQUIRE(std::bit_cast<std::uint32_t>(
+                flashref::cpu::bf16_to_float(flashref::cpu::bf16_from_float(x))) ==
+            std::bit_cast<std::uint32_t>(flashref::testdata::round_to(input_dtype::bfloat16, x)));
+    REQUIRE(std::bit_cast<std::uint32_t>(
+                flashref::cpu::f16_to_float(flashref::cpu::f16_from_float(x))) ==
+            std::bit_cast<std::uint32_t>(flashref::testdata::round_to(input_dtype::float16, x)));
+  }
+  REQUIRE(flashref::cpu::bf16_from_float(1.00390625f) == 0x3f80);  // tie: to even
+  REQUIRE(flashref::cpu::bf16_from_float(1.01171875f) == 0x3f82);  // tie: to even (up)
+  REQUIRE(flashref::cpu::f16_from_float(65520.0f) == 0x7c00);      // rounds to inf
+  REQUIRE(flashref::cpu::f16_from_float(5.9604645e-8f) == 0x0001);
+}
+
+TEST_CASE("cpu: the half paths this processor runs", "[cpu][half]") {
+  using flashref::input_dtype;
+  REQUIRE(flashref::cpu::supported_half_paths(input_dtype::float32).empty());
+  const auto f16 = flashref::cpu::supported_half_paths(input_dtype::float16);
+  REQUIRE(f16 == std::vector<half_path>{half_path::convert});
+  const auto bf16 = flashref::cpu::supported_half_paths(input_dtype::bfloat16);
+  REQUIRE(bf16.front() == half_path::convert);
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  const bool avx512 = flashref::cpu::supported(isa::avx512) && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  CHECK(flashref::cpu::supported(half_path::avx512_bf16) ==
+        (avx512 && __builtin_cpu_supports("avx512bf16")));
+  if (flashref::cpu::supported(half_path::amx))
+    CHECK(flashref::cpu::supported(half_path::avx512_bf16));
+#endif
+  for (half_path h : {half_path::avx512_bf16, half_path::amx}) {
+    const bool listed = std::find(bf16.begin(), bf16.end(), h) != bf16.end();
+    CHECK(listed == flashref::cpu::supported(h));
+  }
+  // automatic takes the last (best) path on AVX-512, and convert on a lesser instruction set.
+  problem_shape s;
+  s.Lq = 40, s.Lk = 50, s.D = 16, s.Dv = 16;
+  flashref::problem_data d = flashref::test::random_problem(s, 81);
+  flashref::test::round_inputs(d, input_dtype::bfloat16);
+  const flashref::attention_problem p = d.problem();
+  const flashref::cpu::plan best = flashref::cpu::make_plan(p);
+  CHECK(best.half == (best.used == isa::avx512 ? bf16.back() : half_path::convert));
+  CHECK(flashref::cpu::make_plan(p, with_isa(isa::portable)).half == half_path::convert);
+  for (half_path h : bf16)
+    CHECK(flashref::cpu::make_plan(p, with_half(h)).half == h);
+  // Paths the processor (or the OS, for AMX) refuses, and bf16 paths for float16 inputs, are
+  // named in the error.
+  for (half_path h : {half_path::avx512_bf16, half_path::amx}) {
+    if (flashref::cpu::supported(h)) continue;
+    REQUIRE_THROWS_AS(flashref::cpu::attention(p, with_half(h)), flashref::problem_error);
+  }
+  flashref::problem_data d16 = flashref::test::random_problem(s, 81);
+  flashref::test::round_inputs(d16, input_dtype::float16);
+  REQUIRE_THROWS_WITH(
+      flashref::cpu::attention(d16.problem(), with_half(half_path::avx512_bf16)),
+      Catch::Matchers::StartsWith("half_path: expected a path this processor runs for float16"));
+  REQUIRE_THROWS_WITH(flashref::cpu::parse_half_path("fp8"),
+                      "half_path: expected one of automatic, convert, avx512_bf16, amx, got 'fp8'");
+  for (half_path h :
+       {half_path::automatic, half_path::convert, half_path::avx512_bf16, half_path::amx})
+    REQUIRE(flashref::cpu::parse_half_path(flashref::cpu::to_string(h)) == h);
+}
+
+TEST_CASE("cpu: the catalogue in bfloat16 and float16 on every half path", "[cpu][half]") {
+  using tiles = std::pair<std::int64_t, std::int64_t>;
+  const tiles t = GENERATE(tiles{0, 0}, tiles{16, 48}, tiles{20, 33});
+  for (flashref::input_dtype dtype : kHalves) {
+    for (half_path h : flashref::cpu::supported_half_paths(dtype)) {
+      CAPTURE(flashref::to_string(dtype), flashref::cpu::to_string(h), t.first, t.second);
+      const flashref::test::runner run = [&](const flashref::attention_problem& p) {
+        flashref::cpu::attention(p, with_half(h, t.first, t.second));
+      };
+      for (const catalogue_case& c : flashref::test::edge_cases())
+        flashref::test::check_case(c, dtype, run);
+      for (const catalogue_case& c : flashref::test::combined_masks())
+        flashref::test::check_case(c, dtype, run);
+      flashref::test::check_nan_isolation(dtype, run);
+    }
+  }
+}
+
+TEST_CASE("cpu: random half problems on every half path at random tiles", "[cpu][half]") {
+  for (const catalogue_case& c : flashref::test::random_cases(101, 40)) {
+    const std::int64_t tq = c.seed % 3 == 0 ? 0 : 1 + std::int64_t(c.seed % 37);
+    const std::int64_t tk = c.seed % 3 == 0 ? 0 : 1 + std::int64_t((c.seed * 7) % 70);
+    for (flashref::input_dtype dtype : kHalves)
+      for (half_path h : flashref::cpu::supported_half_paths(dtype)) {
+        CAPTURE(flashref::to_string(dtype), flashref::cpu::to_string(h), tq, tk);
+        flashref::test::check_case(c, dtype, [&](const flashref::attention_problem& p) {
+          flashref::cpu::attention(p, with_half(h, tq, tk));
+        });
+      }
+  }
+}
+
+TEST_CASE("cpu: 16-bit storage gives the bits of float32 storage holding the same values",
+          "[cpu][half]") {
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = GENERATE(3, 150), s.Lk = 333, s.D = 40, s.Dv = 24;
+  s.blhd = GENERATE(false, true);
+  s.causal = causal_mode::bottom_right, s.block_q = 16, s.block_k = 32, s.block_density = 0.7;
+  for (flashref::input_dtype dtype : kHalves) {
+    for (half_path h : flashref::cpu::supported_half_paths(dtype)) {
+      CAPTURE(s.describe(), flashref::to_string(dtype), flashref::cpu::to_string(h));
+      flashref::problem_data f = flashref::test::random_problem(s, 90);
+      flashref::test::round_inputs(f, dtype);
+      flashref::cpu::attention(f.problem(), with_half(h));
+      FLASHREF_REQUIRE_CONFORMS(check_against_naive(f, dtype));
+
+      flashref::problem_data d = flashref::test::random_problem(s, 90);
+      flashref::test::round_inputs(d, dtype);
+      const std::vector<std::uint16_t> q = to_bits(d.q, dtype), k = to_bits(d.k, dtype),
+                                       v = to_bits(d.v, dtype);
+      flashref::cpu::half_problem hp;
+      hp.p = d.problem();
+      hp.p.q.data = hp.p.k.data = hp.p.v.data = nullptr;  // never read
+      hp.q = q.data(), hp.k = k.data(), hp.v = v.data();
+      REQUIRE(flashref::cpu::make_plan(hp, with_half(h)).half == h);
+      flashref::cpu::attention(hp, with_half(h));  // O in float32
+      REQUIRE(same_bits(d.o, f.o));
+      REQUIRE(same_bits(d.lse, f.lse));
+
+      // O in the input dtype: the float32 result rounded once.
+      std::vector<std::uint16_t> o16(d.o.size(), 0xffff);
+      hp.o = o16.data();
+      flashref::test::poison_outputs(d);
+      flashref::cpu::attention(hp, with_half(h));
+      REQUIRE(same_bits(d.lse, f.lse));
+      for (std::size_t n = 0; n < o16.size(); ++n) {
+        CAPTURE(n, f.o.data()[n]);
+        REQUIRE(from_bits(o16[n], dtype) == flashref::testdata::round_to(dtype, f.o.data()[n]));
+      }
+    }
+  }
+}
+
+TEST_CASE("cpu: half paths are bitwise identical on 1, 2, 3 and 7 threads",
+          "[cpu][half][determinism]") {
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.D = 32, s.Dv = 32, s.block_q = 32, s.block_k = 48;
+  s.block_density = 0.6, s.causal = causal_mode::bottom_right;
+  s.Lq = GENERATE(1, 300), s.Lk = 3000;
+  for (flashref::input_dtype dtype : kHalves) {
+    for (half_path h : flashref::cpu::supported_half_paths(dtype)) {
+      CAPTURE(s.describe(), flashref::to_string(dtype), flashref::cpu::to_string(h));
+      flashref::attention_outputs first;
+      for (int threads : {1, 2, 3, 7, 1}) {
+        CAPTURE(threads);
+        flashref::problem_data d = flashref::test::random_problem(s, 41);
+        flashref::test::round_inputs(d, dtype);
+        flashref::cpu::options opt = with_half(h);
+        opt.threads = threads;
+        flashref::cpu::attention(d.problem(), opt);
+        if (first.o.size() == 0) {
+          FLASHREF_REQUIRE_CONFORMS(check_against_naive(d, dtype));
+          first = d;
+        } else {
+          REQUIRE(same_bits(d.o, first.o));
+          REQUIRE(same_bits(d.lse, first.lse));
+        }
+      }
+    }
+  }
+}
+
+TEST_CASE("cpu: the bf16 dot-product paths run their own arithmetic", "[cpu][half]") {
+  // P is rounded to bfloat16 before P·V on these paths and not on convert: the same problem
+  // gives other bits, so a path that silently fell back to convert would show here.
+  problem_shape s;
+  s.Hq = 2, s.Lq = 64, s.Lk = 200, s.D = 64, s.Dv = 64;
+  flashref::problem_data base = flashref::test::random_problem(s, 95);
+  flashref::test::round_inputs(base, flashref::input_dtype::bfloat16);
+  flashref::cpu::attention(base.problem(), with_half(half_path::convert));
+  for (half_path h : flashref::cpu::supported_half_paths(flashref::input_dtype::bfloat16)) {
+    if (h == half_path::convert) continue;
+    CAPTURE(flashref::cpu::to_string(h));
+    flashref::problem_data d = flashref::test::random_problem(s, 95);
+    flashref::test::round_inputs(d, flashref::input_dtype::bfloat16);
+    flashref::cpu::attention(d.problem(), with_half(h));
+    FLASHREF_REQUIRE_CONFORMS(check_against_naive(d, flashref::input_dtype::bfloat16));
+    REQUIRE(!same_bits(d.o, base.o));
   }
 }

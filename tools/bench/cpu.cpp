@@ -27,9 +27,11 @@
 #include "../svg.hpp"
 #include "flashref/cpu/attention.hpp"
 #include "flashref/cpu/backward.hpp"
+#include "flashref/cpu/half.hpp"
 #include "flashref/reference/data.hpp"
 #include "flashref/reference/mask.hpp"
 #include "flashref/reference/tiled.hpp"
+#include "flashref/testdata/fixture.hpp"
 #include "flashref/testdata/random.hpp"
 #include "grid.hpp"
 #include "record.hpp"
@@ -54,6 +56,8 @@ struct bench_options {
   bool baselines = true;  // peak FMA, copy bandwidth, OpenBLAS naive, reference
   double seconds = 0.3;   // timed repetitions per point fill about this long
   std::string isa = "automatic";
+  std::string dtype = "fp32";           // fp32 | bf16 | fp16: the inputs' (and O's) storage
+  std::string half_path = "automatic";  // the CPU's path for bf16 / fp16
   std::int64_t tile_q = 0, tile_k = 0;  // the CPU kernels' tiles; 0 = the instruction set's default
   std::string json, plot;
   bool memory_check = false;
@@ -88,6 +92,10 @@ struct bench_data {
   bench_point pt;
   problem_data data;    // inputs and outputs, owned
   attention_problem p;  // the view of `data` the kernels run on
+  // bf16 / fp16 points: Q, K, V and O stored in 16 bits (the values of `data`, rounded), as a
+  // caller holding half tensors would pass them; hp views them.
+  std::vector<std::uint16_t> q16, k16, v16, o16;
+  cpu::half_problem hp;
   double flops = 0;
   double density = 1;  // fraction of (query, key) pairs computed
 };
@@ -110,6 +118,7 @@ void make_data(bench_data& d, const bench_point& pt, std::uint64_t seed) {
   d.data.k = uniform({B, Hk, Lk, pt.D}, seed, 1);
   d.data.v = uniform({B, Hk, Lk, pt.Dv}, seed, 2);
   attention_options& opt = d.data.opt;
+  opt.dtype = parse_input_dtype(pt.dtype);
   d.density = 1.0;
   if (pt.mask == "causal") {
     opt.causal = causal_mode::bottom_right;
@@ -132,6 +141,22 @@ void make_data(bench_data& d, const bench_point& pt, std::uint64_t seed) {
   }
   d.p = d.data.problem();
   const attention_problem& p = d.p;
+  if (opt.dtype != input_dtype::float32) {
+    const bool bf16 = opt.dtype == input_dtype::bfloat16;
+    auto to16 = [&](xt::xtensor<float, 4>& x, std::vector<std::uint16_t>& out) {
+      out.resize(x.size());
+      for (std::size_t n = 0; n < x.size(); ++n) {
+        x.data()[n] = testdata::round_to(opt.dtype, x.data()[n]);
+        out[n] = bf16 ? cpu::bf16_from_float(x.data()[n]) : cpu::f16_from_float(x.data()[n]);
+      }
+    };
+    to16(d.data.q, d.q16);
+    to16(d.data.k, d.k16);
+    to16(d.data.v, d.v16);
+    d.o16.assign(d.data.o.size(), 0);
+    d.hp.p = p;
+    d.hp.q = d.q16.data(), d.hp.k = d.k16.data(), d.hp.v = d.v16.data(), d.hp.o = d.o16.data();
+  }
   if (d.density < 0) {  // count the visible pairs of the computed blocks exactly
     const mask_spec m = make_mask_spec(p);
     double pairs = 0;
@@ -380,8 +405,14 @@ int run_bench(const bench_options& opt) {
   opt.grid.validate({"dense", "causal", "block_sparse", "local_window"});
   check_output_path(opt.json);
   check_output_path(opt.plot);
+  const std::map<std::string, std::string> dtypes{
+      {"fp32", "float32"}, {"bf16", "bfloat16"}, {"fp16", "float16"}};
+  if (dtypes.count(opt.dtype) == 0)
+    throw problem_error("dtype: expected one of fp32, bf16, fp16, got '" + opt.dtype + "'");
+  const std::string dtype = dtypes.at(opt.dtype);
   cpu::options copt;
   copt.instruction_set = cpu::parse_isa(opt.isa);
+  copt.half = cpu::parse_half_path(opt.half_path);
   copt.tile_q = opt.tile_q;
   copt.tile_k = opt.tile_k;
   if (copt.instruction_set != cpu::isa::automatic && !cpu::supported(copt.instruction_set))
@@ -397,8 +428,8 @@ int run_bench(const bench_options& opt) {
   const cpu::isa used =
       copt.instruction_set == cpu::isa::automatic ? cpu::best_isa() : copt.instruction_set;
   const int threads = omp_get_max_threads();
-  std::printf("flashref bench: %d threads (OMP_NUM_THREADS), cpu kernels %s\n", threads,
-              cpu::to_string(used));
+  std::printf("flashref bench: %d threads (OMP_NUM_THREADS), cpu kernels %s, %s inputs\n", threads,
+              cpu::to_string(used), dtype.c_str());
   std::vector<bench_record> recs;
   print_header();
 
@@ -427,10 +458,11 @@ int run_bench(const bench_options& opt) {
 
   // The points: the grid (tokens, model) and the targets.
   std::vector<std::pair<bench_point, std::string>> points;
-  for (const bench_point& pt : opt.grid.points("float32"))
+  for (const bench_point& pt : opt.grid.points(dtype))
     points.push_back({pt, "grid"});
   if (opt.targets) {
     bench_point t;
+    t.dtype = dtype;
     t.B = 1, t.Hq = t.Hk = 8, t.Lq = t.Lk = 4096, t.D = t.Dv = 128;
     for (const char* m : {"dense", "causal"}) {
       t.mask = m;
@@ -442,6 +474,7 @@ int run_bench(const bench_options& opt) {
       points.push_back({t, "target"});
     }
     bench_point dec;
+    dec.dtype = dtype;
     dec.mask = "decode";
     dec.B = 1, dec.Hq = dec.Hk = 8, dec.Lq = 1, dec.Lk = 65536, dec.D = dec.Dv = 128;
     points.push_back({dec, "target"});
@@ -468,10 +501,19 @@ int run_bench(const bench_options& opt) {
       r.flops = d.flops;
       r.note = tag;
       if (b == "cpu") {
-        const cpu::plan pl = cpu::make_plan(d.p, copt);
+        const bool half = d.data.opt.dtype != input_dtype::float32;
+        const cpu::plan pl = half ? cpu::make_plan(d.hp, copt) : cpu::make_plan(d.p, copt);
         r.threads = pl.threads;
         r.isa = cpu::to_string(pl.used);
-        r.median_s = median_time([&] { cpu::attention(d.p, copt); }, opt.seconds);
+        if (half) {
+          r.isa += std::string("+") + cpu::to_string(pl.half);
+          r.median_s = median_time([&] { cpu::attention(d.hp, copt); }, opt.seconds);
+          const bool bf16 = d.data.opt.dtype == input_dtype::bfloat16;
+          for (std::size_t n = 0; n < d.o16.size(); ++n)  // O for the NaN check below
+            d.data.o.data()[n] = bf16 ? cpu::bf16_to_float(d.o16[n]) : cpu::f16_to_float(d.o16[n]);
+        } else {
+          r.median_s = median_time([&] { cpu::attention(d.p, copt); }, opt.seconds);
+        }
         cpu_time = r.median_s;
         if (pl.kv_splits > 1) r.note += ", " + std::to_string(pl.kv_splits) + " kv chunks";
         if (opt.tile_q > 0 || opt.tile_k > 0)
@@ -481,11 +523,13 @@ int run_bench(const bench_options& opt) {
         r.median_s = median_time([&] { reference::tiled_attention(d.p); }, opt.seconds);
       }
       r.gflops = r.flops / r.median_s * 1e-9;
-      if (peak > 0 && b == "cpu") r.peak_fraction = r.gflops / peak;
+      // %peak against the fp32 FMA rate: for fp32 points only (the bf16 units have their own).
+      if (peak > 0 && b == "cpu" && pt.dtype == "float32") r.peak_fraction = r.gflops / peak;
       for (float x : d.data.o)
         ok = ok && !std::isnan(x);
       if (pt.mask == "decode") {
-        r.gbps = double(pt.B * pt.Hk * pt.Lk * (pt.D + pt.Dv)) * 4.0 / r.median_s * 1e-9;
+        const double bytes = pt.dtype == "float32" ? 4.0 : 2.0;
+        r.gbps = double(pt.B * pt.Hk * pt.Lk * (pt.D + pt.Dv)) * bytes / r.median_s * 1e-9;
         r.note += ", " + std::to_string(r.gbps).substr(0, 5) + " GB/s of K,V";
       }
       if (b == "cpu" && pt.mask == "dense") dense_time[shape_key(pt)] = r.median_s;
@@ -596,6 +640,9 @@ void add_bench(CLI::App& app, exit_slot status) {
   cmd->add_option("--model", g.model, "Hq * D on the grid");
   cmd->add_option("--seconds", opt->seconds, "timed seconds per point (at least 3 runs)");
   cmd->add_option("--isa", opt->isa, "CPU instruction set: automatic, portable, avx2, avx512");
+  cmd->add_option("--dtype", opt->dtype, "inputs and O stored as fp32, bf16 or fp16");
+  cmd->add_option("--half-path", opt->half_path,
+                  "CPU path for bf16/fp16: automatic, convert, avx512_bf16, amx");
   cmd->add_option("--tile-q", opt->tile_q, "CPU query tile (0: the instruction set's default)");
   cmd->add_option("--tile-k", opt->tile_k, "CPU key tile (0: the instruction set's default)");
   cmd->add_option("--seed", opt->seed, "seed of the inputs and block masks");

@@ -1,9 +1,10 @@
 #pragma once
-// flashref::cpu — the OpenMP CPU backend: fp32 tiled attention for every problem the reference
-// accepts. Queries are tiled against keys in cache; SIMD micro-kernels compute QKᵀ and PV;
-// tiles with no visible key are never loaded; the element mask runs only on tiles that
-// straddle a mask boundary. One build carries several instruction sets (AVX-512, AVX2+FMA,
-// portable) and picks the best the processor has at run time.
+// flashref::cpu — the OpenMP CPU backend: tiled attention for every problem the reference
+// accepts, with float32 inputs or bfloat16 / float16 ones (fp32 accumulation either way). Queries
+// are tiled against keys in cache; SIMD micro-kernels compute QKᵀ and PV; tiles with no visible key
+// are never loaded; the element mask runs only on tiles that straddle a mask boundary. One build
+// carries several instruction sets (AVX-512, AVX2+FMA, portable) and picks the best the processor
+// has at run time.
 //
 // Results are bitwise identical for any thread count and from run to run: the work split
 // (tiles, key chunks for decode-like shapes, their merge order) depends on the problem shape,
@@ -19,6 +20,17 @@ namespace flashref::cpu {
 
 enum class isa { automatic, portable, avx2, avx512 };
 
+// How bfloat16 / float16 inputs are computed (float32 inputs always take the fp32 kernels):
+//   convert      each tile converted to float32, then the fp32 kernels (any instruction set;
+//                the only path for float16: no x86 instruction multiplies float16 pairs into
+//                a float32 sum short of AMX-FP16 / AVX10.2)
+//   avx512_bf16  Q·Kᵀ and P·V as bfloat16 pair dot products into float32 (vdpbf16ps)
+//   amx          the same products on AMX tiles (tdpbf16ps), where the processor has them
+//                and the operating system grants the tile state
+// The bf16 paths round P to bfloat16 before P·V (as GPU kernels do); scores, the softmax
+// state and every sum stay float32.
+enum class half_path { automatic, convert, avx512_bf16, amx };
+
 const char* to_string(isa i);
 isa parse_isa(const std::string& s);  // "automatic" | "portable" | "avx2" | "avx512"
 
@@ -27,17 +39,27 @@ bool supported(isa i);              // built and runnable on this processor
 isa best_isa();                     // the fastest supported one
 std::vector<isa> supported_isas();  // portable first, best last
 
+const char* to_string(half_path h);
+half_path parse_half_path(const std::string& s);  // "automatic" | "convert" | ...
+bool compiled(half_path h);
+bool supported(half_path h);  // built, run by this processor and (amx) granted by the OS
+// The paths that can run inputs of `dtype` on this processor: convert first, best last
+// (float32: none).
+std::vector<half_path> supported_half_paths(input_dtype dtype);
+
 struct options {
   std::int64_t tile_q = 0;  // query rows per tile; 0 = the instruction set's default
   std::int64_t tile_k = 0;  // keys per tile; 0 = the instruction set's default
   isa instruction_set = isa::automatic;
   int threads = 0;            // 0 = OpenMP's default (follows OMP_NUM_THREADS)
   std::int64_t kv_chunk = 0;  // keys per split-KV chunk; 0 = chosen from the shape alone
+  half_path half = half_path::automatic;  // bfloat16 / float16 inputs only
 };
 
 // How a problem will be run: resolved options plus the split-KV decision.
 struct plan {
   isa used = isa::portable;
+  half_path half = half_path::convert;  // the path of bf16/fp16 inputs (convert for float32)
   std::int64_t tile_q = 0, tile_k = 0;
   std::int64_t kv_chunk = 0;   // keys per chunk (a multiple of tile_k), or Lk when not split
   std::int64_t kv_splits = 1;  // number of key chunks merged per query row
@@ -48,9 +70,28 @@ struct plan {
 // negative tile size).
 plan make_plan(const attention_problem& p, const options& opt = {});
 
-// Writes p.o and p.lse (when present).
+// Writes p.o and p.lse (when present). With p.dtype bfloat16 or float16 the float32 storage
+// holds values of that dtype (problem.hpp), and the half path runs on them.
 void attention(const attention_problem& p);
 void attention(const attention_problem& p, const options& opt);
+
+// A problem whose inputs are stored in 16 bits: the bit patterns of bfloat16 or float16
+// values (half.hpp converts). `p` describes everything else — shapes and strides of q, k, v
+// and o (in elements), masks, scale, LSE (float32) and the dtype (bfloat16 or float16); the
+// data pointers of p.q, p.k and p.v are not read. O is written in the input dtype to `o`
+// (p.o's shape and strides) when it is set, else in float32 to p.o.
+struct half_problem {
+  attention_problem p;
+  const std::uint16_t* q = nullptr;
+  const std::uint16_t* k = nullptr;
+  const std::uint16_t* v = nullptr;
+  std::uint16_t* o = nullptr;
+};
+
+plan make_plan(const half_problem& hp, const options& opt = {});
+// The same results, bit for bit, as attention(p) on float32 storage holding the same values
+// (with O rounded to the input dtype when `o` is set).
+void attention(const half_problem& hp, const options& opt = {});
 
 // The processor's fp32 multiply-add rate with instruction set `i` on `threads` threads: a
 // register-only loop of independent FMAs, about `seconds` long. GFLOP/s (an FMA is 2 FLOPs).
