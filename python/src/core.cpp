@@ -1,0 +1,601 @@
+// flashref._core — the binding under the Python package: the umbrella's attention(problem,
+// backend) over arrays passed in place (numpy through the buffer protocol, torch through
+// DLPack), merge_partials, and the C++ fixture reader and judge behind flashref.fixtures and
+// flashref.check. The Python layer (python/flashref) allocates the outputs and checks what it
+// can cheaply; everything else is checked here, with the library's one-line messages.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/vector.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "flashref/flashref.hpp"
+#include "flashref/testdata/check.hpp"
+#include "flashref/testdata/fixture.hpp"
+
+#if defined(FLASHREF_HAVE_CUDA)
+#include "flashref/cuda/attention.hpp"
+#endif
+
+namespace nb = nanobind;
+
+namespace flashref::python {
+
+namespace {
+
+using array = nb::ndarray<nb::ro>;  // an input of any dtype, device and strides
+using out_array = nb::ndarray<>;    // an output, written in place
+constexpr int kHost = nb::device::cpu::value;
+constexpr int kCuda = nb::device::cuda::value;
+
+// A dtype or device no backend (or not the chosen one) takes: raised as TypeError.
+class type_error : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+std::string dtype_name(nb::dlpack::dtype t) {
+  using code = nb::dlpack::dtype_code;
+  const std::string bits = std::to_string(t.bits);
+  switch (code(t.code)) {
+    case code::Float:
+      return "float" + bits;
+    case code::Bfloat:
+      return "bfloat" + bits;
+    case code::Int:
+      return "int" + bits;
+    case code::UInt:
+      return "uint" + bits;
+    case code::Bool:
+      return "bool";
+    default:
+      return "dtype code " + std::to_string(t.code) + " of " + bits + " bits";
+  }
+}
+
+bool is(nb::dlpack::dtype t, nb::dlpack::dtype_code c, int bits) {
+  return t.code == std::uint8_t(c) && t.bits == bits && t.lanes == 1;
+}
+bool is_float32(nb::dlpack::dtype t) {
+  return is(t, nb::dlpack::dtype_code::Float, 32);
+}
+
+std::string device_name(int type, int id) {
+  if (type == kHost) return "cpu";
+  if (type == kCuda) return "cuda:" + std::to_string(id);
+  return "DLPack device type " + std::to_string(type);
+}
+std::string device_name(const array& a) {
+  return device_name(a.device_type(), a.device_id());
+}
+
+std::string shape_text(const array& a) {
+  std::string s = "[";
+  for (std::size_t d = 0; d < a.ndim(); ++d)
+    s += (d ? ", " : "") + std::to_string(a.shape(d));
+  return s + "]";
+}
+
+void expect_ndim(const char* field, const array& a, std::size_t ndim, const char* dims) {
+  if (a.ndim() != ndim) {
+    throw problem_error(std::string(field) + ": expected " + std::to_string(ndim) + " dimensions " +
+                        dims + ", got " + std::to_string(a.ndim()) + " (shape " + shape_text(a) +
+                        ")");
+  }
+}
+
+// The backends that take a dtype for inputs in host or device memory, for the messages.
+std::string takers(input_dtype want, bool device) {
+  std::string s;
+  for (const backend_info& b : backends()) {
+    const bool dtype_ok = std::find(b.dtypes.begin(), b.dtypes.end(), want) != b.dtypes.end();
+    const bool memory_ok = !device || b.id == backend::cuda;
+    if (dtype_ok && memory_ok && b.built)
+      s += (s.empty() ? "" : ", ") + std::string(to_string(b.id));
+  }
+  return s.empty() ? "none built into this library" : s;
+}
+
+std::optional<input_dtype> as_input_dtype(nb::dlpack::dtype t) {
+  if (is_float32(t)) return input_dtype::float32;
+  if (is(t, nb::dlpack::dtype_code::Bfloat, 16)) return input_dtype::bfloat16;
+  if (is(t, nb::dlpack::dtype_code::Float, 16)) return input_dtype::float16;
+  return std::nullopt;
+}
+
+// Shape and strides of a 4-D tensor seen as [B, H, L, D]; blhd storage swaps dims 1 and 2.
+template <class View>
+void view4(View& v, const array& a, bool blhd) {
+  for (int d = 0; d < 4; ++d) {
+    v.shape[std::size_t(d)] = std::int64_t(a.shape(std::size_t(d)));
+    v.stride[std::size_t(d)] = a.stride(std::size_t(d));
+  }
+  if (blhd) {
+    std::swap(v.shape[1], v.shape[2]);
+    std::swap(v.stride[1], v.stride[2]);
+  }
+}
+
+template <class View>
+void view_n(View& v, const array& a) {
+  for (std::size_t d = 0; d < a.ndim(); ++d) {
+    v.shape[d] = std::int64_t(a.shape(d));
+    v.stride[d] = a.stride(d);
+  }
+}
+
+struct call {
+  const array& q;
+  const array& k;
+  const array& v;
+  const array& o;
+  const std::optional<array>& lse;
+  std::optional<double> scale;
+  causal_mode causal;
+  std::int64_t window_left, window_right;
+  const std::optional<array>& block_mask;
+  std::int64_t block_q, block_k;
+  const std::optional<array>& kv_len;
+  bool blhd;
+};
+
+// Every tensor of a call in the memory of q (host, or the same CUDA device).
+void expect_same_device(const call& c) {
+  const auto same = [&](const char* field, const array& a) {
+    if (a.device_type() != c.q.device_type() || a.device_id() != c.q.device_id())
+      throw type_error(std::string(field) + ": expected the device of q (" + device_name(c.q) +
+                       "), got " + device_name(a));
+  };
+  same("k", c.k);
+  same("v", c.v);
+  same("o", c.o);
+  if (c.lse) same("lse", *c.lse);
+  if (c.block_mask) same("block_mask", *c.block_mask);
+  if (c.kv_len) same("kv_len", *c.kv_len);
+}
+
+void expect_masks(const call& c) {
+  if (c.block_mask) {
+    expect_ndim("block_mask", *c.block_mask, 4, "(Bm, Hm, nqb, nkb)");
+    const auto t = c.block_mask->dtype();
+    if (!is(t, nb::dlpack::dtype_code::UInt, 8) && !is(t, nb::dlpack::dtype_code::Bool, 8))
+      throw type_error("block_mask: expected dtype uint8 or bool, got " + dtype_name(t));
+  }
+  if (c.kv_len) {
+    expect_ndim("kv_len", *c.kv_len, 1, "(B)");
+    if (!is(c.kv_len->dtype(), nb::dlpack::dtype_code::Int, 32))
+      throw type_error("kv_len: expected dtype int32, got " + dtype_name(c.kv_len->dtype()));
+    if (c.kv_len->ndim() == 1 && c.kv_len->shape(0) > 1 && c.kv_len->stride(0) != 1)
+      throw problem_error("kv_len: expected a contiguous array, got stride " +
+                          std::to_string(c.kv_len->stride(0)));
+  }
+}
+
+template <class Problem>
+void fill_masks(Problem& p, const call& c) {
+  p.scale = c.scale;
+  p.causal = c.causal;
+  p.window_left = c.window_left;
+  p.window_right = c.window_right;
+  p.block_q = c.block_q;
+  p.block_k = c.block_k;
+}
+
+// Host memory: the float32 problem of the umbrella, run by any backend.
+backend run_host(const call& c, backend chosen) {
+  for (const auto& [field, a] :
+       {std::pair{"q", &c.q}, std::pair{"k", &c.k}, std::pair{"v", &c.v}, std::pair{"o", &c.o}}) {
+    if (!is_float32(a->dtype())) {
+      const std::optional<input_dtype> t = as_input_dtype(a->dtype());
+      throw type_error(std::string(field) + ": expected dtype float32 in host memory, got " +
+                       dtype_name(a->dtype()) +
+                       (t ? " (" + dtype_name(a->dtype()) + " inputs: in device memory on " +
+                                takers(*t, true) + ")"
+                          : ""));
+    }
+  }
+  attention_problem p;
+  p.q.data = static_cast<const float*>(c.q.data());
+  p.k.data = static_cast<const float*>(c.k.data());
+  p.v.data = static_cast<const float*>(c.v.data());
+  p.o.data = static_cast<float*>(const_cast<void*>(c.o.data()));
+  view4(p.q, c.q, c.blhd);
+  view4(p.k, c.k, c.blhd);
+  view4(p.v, c.v, c.blhd);
+  view4(p.o, c.o, c.blhd);
+  if (c.lse) {
+    if (!is_float32(c.lse->dtype()))
+      throw type_error("lse: expected dtype float32, got " + dtype_name(c.lse->dtype()));
+    p.lse.data = static_cast<float*>(const_cast<void*>(c.lse->data()));
+    view_n(p.lse, *c.lse);
+  }
+  fill_masks(p, c);
+  if (c.block_mask) {
+    p.block_mask.data = static_cast<const std::uint8_t*>(c.block_mask->data());
+    view_n(p.block_mask, *c.block_mask);
+  }
+  if (c.kv_len) {
+    if (std::int64_t(c.kv_len->shape(0)) != p.q.shape[0])
+      throw problem_error("kv_len: expected shape [" + std::to_string(p.q.shape[0]) + "], got " +
+                          shape_text(*c.kv_len));
+    p.kv_len = static_cast<const std::int32_t*>(c.kv_len->data());
+  }
+  nb::gil_scoped_release unlocked;
+  return attention(p, chosen);
+}
+
+#if defined(FLASHREF_HAVE_CUDA)
+// Device memory: the CUDA backend's device entry on the caller's stream.
+void run_device(const call& c, std::uintptr_t stream) {
+  cuda::device_problem p;
+  const std::optional<input_dtype> in = as_input_dtype(c.q.dtype());
+  if (!in)
+    throw type_error("q: expected dtype float32, bfloat16 or float16, got " +
+                     dtype_name(c.q.dtype()));
+  for (const auto& [field, a] : {std::pair{"k", &c.k}, std::pair{"v", &c.v}}) {
+    if (as_input_dtype(a->dtype()) != in)
+      throw type_error(std::string(field) + ": expected dtype " + to_string(*in) +
+                       " (the dtype of q), got " + dtype_name(a->dtype()));
+  }
+  const std::optional<input_dtype> out = as_input_dtype(c.o.dtype());
+  if (out != input_dtype::float32 && out != in)
+    throw type_error(std::string("o: expected dtype float32 or ") + to_string(*in) + ", got " +
+                     dtype_name(c.o.dtype()));
+  p.input = *in;
+  p.output = *out;
+  p.q.data = c.q.data();
+  p.k.data = c.k.data();
+  p.v.data = c.v.data();
+  p.o.data = const_cast<void*>(c.o.data());
+  view4(p.q, c.q, c.blhd);
+  view4(p.k, c.k, c.blhd);
+  view4(p.v, c.v, c.blhd);
+  view4(p.o, c.o, c.blhd);
+  if (c.lse) {
+    if (!is_float32(c.lse->dtype()))
+      throw type_error("lse: expected dtype float32, got " + dtype_name(c.lse->dtype()));
+    p.lse.data = const_cast<void*>(c.lse->data());
+    view_n(p.lse, *c.lse);
+  }
+  fill_masks(p, c);
+  if (c.block_mask) {
+    p.block_mask.data = c.block_mask->data();
+    view_n(p.block_mask, *c.block_mask);
+  }
+  if (c.kv_len) {
+    if (std::int64_t(c.kv_len->shape(0)) != p.q.shape[0])
+      throw problem_error("kv_len: expected shape [" + std::to_string(p.q.shape[0]) + "], got " +
+                          shape_text(*c.kv_len));
+    p.kv_len = static_cast<const std::int32_t*>(c.kv_len->data());
+  }
+  nb::gil_scoped_release unlocked;
+  cuda::attention(p, reinterpret_cast<cudaStream_t>(stream));
+}
+#endif
+
+// attention(q, k, v, o, lse, ...) -> the name of the backend that ran.
+const char* attention_into(const array& q, const array& k, const array& v, const array& o,
+                           const std::optional<array>& lse, std::optional<double> scale,
+                           const std::string& causal, std::int64_t window_left,
+                           std::int64_t window_right, const std::optional<array>& block_mask,
+                           std::int64_t block_q, std::int64_t block_k,
+                           const std::optional<array>& kv_len, const std::string& backend_name,
+                           bool blhd, std::uintptr_t stream) {
+  const char* dims = blhd ? "(B, L, H, D)" : "(B, H, L, D)";
+  expect_ndim("q", q, 4, dims);
+  expect_ndim("k", k, 4, dims);
+  expect_ndim("v", v, 4, dims);
+  expect_ndim("o", o, 4, dims);
+  if (lse) expect_ndim("lse", *lse, 3, "(B, H, Lq)");
+  const call c{q,
+               k,
+               v,
+               o,
+               lse,
+               scale,
+               parse_causal(causal),
+               window_left,
+               window_right,
+               block_mask,
+               block_q,
+               block_k,
+               kv_len,
+               blhd};
+  expect_same_device(c);
+  expect_masks(c);
+  const backend chosen = parse_backend(backend_name);
+  if (q.device_type() == kHost) return to_string(run_host(c, resolve(chosen)));
+  if (q.device_type() != kCuda)
+    throw type_error("q: expected host or CUDA memory, got " + device_name(q));
+  if (chosen != backend::cuda && chosen != backend::automatic) {
+    throw type_error(std::string("q: expected host memory for backend ") + to_string(chosen) +
+                     ", got " + device_name(q) +
+                     " (device memory: " + takers(input_dtype::float32, true) + ")");
+  }
+#if defined(FLASHREF_HAVE_CUDA)
+  resolve(backend::cuda);  // built and a device present, or the reason why not
+  run_device(c, stream);
+  return to_string(backend::cuda);
+#else
+  (void)stream;
+  resolve(backend::cuda);  // throws: names why the CUDA backend is unavailable
+  return to_string(backend::cuda);
+#endif
+}
+
+// merge(o_a, lse_a, o_b, lse_b, o, lse): SPEC §5 row by row over C-contiguous arrays of one
+// float dtype; o (rows, Dv) and lse (rows) may alias an input.
+template <class T>
+void merge_rows(const array& o_a, const array& lse_a, const array& o_b, const array& lse_b,
+                const out_array& o, const out_array& lse, std::int64_t rows, std::int64_t dv) {
+  const T* oa = static_cast<const T*>(o_a.data());
+  const T* ob = static_cast<const T*>(o_b.data());
+  const T* la = static_cast<const T*>(lse_a.data());
+  const T* lb = static_cast<const T*>(lse_b.data());
+  T* oo = static_cast<T*>(o.data());
+  T* lo = static_cast<T*>(lse.data());
+  nb::gil_scoped_release unlocked;
+  for (std::int64_t r = 0; r < rows; ++r)
+    lo[r] = merge_partials<T>(oa + r * dv, la[r], ob + r * dv, lb[r], dv, oo + r * dv);
+}
+
+void merge_into(const array& o_a, const array& lse_a, const array& o_b, const array& lse_b,
+                const out_array& o, const out_array& lse) {
+  const nb::dlpack::dtype t = o_a.dtype();
+  if (!is_float32(t) && !is(t, nb::dlpack::dtype_code::Float, 64))
+    throw type_error("o_a: expected dtype float32 or float64, got " + dtype_name(t));
+  const std::size_t rows = lse_a.size();
+  const std::size_t dv = o_a.ndim() > 0 ? o_a.shape(o_a.ndim() - 1) : 0;
+  for (const auto& [field, a, n] :
+       {std::tuple{"o_a", &o_a, rows * dv}, std::tuple{"lse_a", &lse_a, rows},
+        std::tuple{"o_b", &o_b, rows * dv}, std::tuple{"lse_b", &lse_b, rows}}) {
+    if (a->device_type() != kHost)
+      throw type_error(std::string(field) + ": expected host memory, got " + device_name(*a));
+    if (a->dtype() != t)
+      throw type_error(std::string(field) + ": expected dtype " + dtype_name(t) +
+                       " (the dtype of o_a), got " + dtype_name(a->dtype()));
+    if (a->size() != n)
+      throw problem_error(std::string(field) + ": expected " + std::to_string(n) +
+                          " elements, got " + std::to_string(a->size()));
+  }
+  if (o.dtype() != t || lse.dtype() != t || o.size() != rows * dv || lse.size() != rows)
+    throw problem_error("merge: expected outputs of the inputs' dtype and sizes");
+  if (t == nb::dtype<float>()) {
+    merge_rows<float>(o_a, lse_a, o_b, lse_b, o, lse, std::int64_t(rows), std::int64_t(dv));
+  } else {
+    merge_rows<double>(o_a, lse_a, o_b, lse_b, o, lse, std::int64_t(rows), std::int64_t(dv));
+  }
+}
+
+// A fixture read by the C++ reader, with the file it came from.
+struct fixture_handle {
+  testdata::fixture fx;
+  std::filesystem::path path;
+};
+
+// Read-only numpy views of a fixture's storage, kept alive by the fixture handle.
+template <class T>
+nb::ndarray<nb::numpy, const T> numpy_view(const T* data, const std::vector<std::size_t>& shape,
+                                           nb::handle owner) {
+  return nb::ndarray<nb::numpy, const T>(data, shape.size(), shape.data(), owner);
+}
+
+template <class T, std::size_t R>
+nb::ndarray<nb::numpy, const T> numpy_view(const xt::xtensor<T, R>& x, nb::handle owner) {
+  return numpy_view(x.data(), std::vector<std::size_t>(x.shape().begin(), x.shape().end()), owner);
+}
+
+template <class T>
+nb::ndarray<nb::numpy, const T> numpy_view(const std::vector<T>& x, nb::handle owner) {
+  return numpy_view(x.data(), {x.size()}, owner);
+}
+
+std::vector<std::size_t> golden_o_shape(const reference::golden& g) {
+  return {std::size_t(g.o_shape[0]), std::size_t(g.o_shape[1]), std::size_t(g.o_shape[2]),
+          std::size_t(g.o_shape[3])};
+}
+
+// a holds C-contiguous float64 values (what the Python layer hands over).
+void expect_float64_contiguous(const char* field, const array& a) {
+  if (!is(a.dtype(), nb::dlpack::dtype_code::Float, 64) || a.device_type() != kHost)
+    throw type_error(std::string(field) + ": expected float64 in host memory, got " +
+                     dtype_name(a.dtype()) + " on " + device_name(a));
+  std::int64_t want = 1;
+  for (std::size_t d = a.ndim(); d-- > 0;) {
+    if (a.shape(d) > 1 && a.stride(d) != want)
+      throw problem_error(std::string(field) + ": expected a C-contiguous array, got strides");
+    want *= std::int64_t(a.shape(d));
+  }
+}
+
+// The judge of `flashref check` on one result: o (and lse) as C-contiguous float64 arrays of
+// the golden shapes; o_dtype and lse_dtype say how the caller's result was stored.
+testdata::check_row check(const fixture_handle& h, const array& o, const std::optional<array>& lse,
+                          const std::string& o_dtype, const std::string& lse_dtype,
+                          const std::string& judged, std::size_t keep_worst) {
+  const reference::golden& g = h.fx.golden;
+  const auto expect = [](const char* field, const array& a, const std::vector<std::size_t>& shape) {
+    bool ok = a.ndim() == shape.size();
+    for (std::size_t d = 0; ok && d < shape.size(); ++d)
+      ok = a.shape(d) == shape[d];
+    if (!ok) {
+      std::string want = "[";
+      for (std::size_t d = 0; d < shape.size(); ++d)
+        want += (d ? ", " : "") + std::to_string(shape[d]);
+      throw problem_error(std::string(field) + ": expected shape " + want +
+                          "] (the golden result), got " + shape_text(a));
+    }
+  };
+  const std::vector<std::size_t> o_shape = golden_o_shape(g);
+  expect("o", o, o_shape);
+  expect_float64_contiguous("o", o);
+  if (lse) {
+    expect("lse", *lse, {o_shape[0], o_shape[1], o_shape[2]});
+    expect_float64_contiguous("lse", *lse);
+  }
+  testdata::check_row row = testdata::row_for(h.fx, h.path.stem().string());
+  row.judged = judged;
+  row.o_dtype = o_dtype;
+  row.lse_dtype = lse ? lse_dtype : "";
+  const double* lse_data = lse ? static_cast<const double*>(lse->data()) : nullptr;
+  nb::gil_scoped_release unlocked;
+  testdata::judge(row, h.fx, {static_cast<const double*>(o.data()), lse_data, o.size()}, h.path,
+                  keep_worst);
+  return row;
+}
+
+}  // namespace
+
+}  // namespace flashref::python
+
+NB_MODULE(_core, m) {
+  using namespace flashref;
+  using namespace flashref::python;
+  m.doc() = "flashref's C++ core (use the flashref package, not this module)";
+
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const type_error& e) {
+      PyErr_SetString(PyExc_TypeError, e.what());
+    } catch (const problem_error& e) {
+      PyErr_SetString(PyExc_ValueError, e.what());
+    }
+  });
+
+  m.def("attention_into", &attention_into, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
+        nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
+        nb::arg("window_right"), nb::arg("block_mask").none(), nb::arg("block_q"),
+        nb::arg("block_k"), nb::arg("kv_len").none(), nb::arg("backend"), nb::arg("blhd"),
+        nb::arg("stream"));
+  m.def("merge_into", &merge_into, nb::arg("o_a"), nb::arg("lse_a"), nb::arg("o_b"),
+        nb::arg("lse_b"), nb::arg("o"), nb::arg("lse"));
+
+  m.def("backends", [] {
+    std::vector<nb::dict> out;
+    for (const backend_info& b : backends()) {
+      nb::dict d;
+      d["name"] = to_string(b.id);
+      d["built"] = b.built;
+      d["available"] = b.available;
+      d["reason"] = b.reason;
+      std::vector<std::string> dtypes;
+      for (input_dtype t : b.dtypes)
+        dtypes.push_back(to_string(t));
+      d["dtypes"] = dtypes;
+      out.push_back(d);
+    }
+    return out;
+  });
+  // How the binding sees an array it is handed (for tests of the zero-copy import).
+  m.def("describe", [](const array& a) {
+    nb::dict d;
+    d["data"] = reinterpret_cast<std::uintptr_t>(a.data());
+    std::vector<std::int64_t> shape, strides;
+    for (std::size_t i = 0; i < a.ndim(); ++i) {
+      shape.push_back(std::int64_t(a.shape(i)));
+      strides.push_back(a.stride(i));
+    }
+    d["shape"] = shape;
+    d["strides"] = strides;
+    d["dtype"] = dtype_name(a.dtype());
+    d["device"] = device_name(a);
+    return d;
+  });
+  m.def("resolve", [](const std::string& name) { return to_string(resolve(parse_backend(name))); });
+
+  nb::class_<fixture_handle>(m, "FixtureHandle")
+      .def_prop_ro("path", [](const fixture_handle& h) { return h.path.string(); })
+      .def_prop_ro("name", [](const fixture_handle& h) { return h.fx.name; })
+      .def_prop_ro("description", [](const fixture_handle& h) { return h.fx.description; })
+      .def_prop_ro("generator", [](const fixture_handle& h) { return h.fx.generator; })
+      .def_prop_ro("seed", [](const fixture_handle& h) { return h.fx.seed; })
+      .def_prop_ro("twin_of", [](const fixture_handle& h) { return h.fx.twin_of; })
+      .def_prop_ro("scale",
+                   [](const fixture_handle& h) { return h.fx.in.inputs().softmax_scale(); })
+      .def_prop_ro("causal", [](const fixture_handle& h) { return to_string(h.fx.in.opt.causal); })
+      .def_prop_ro("window_left", [](const fixture_handle& h) { return h.fx.in.opt.window_left; })
+      .def_prop_ro("window_right", [](const fixture_handle& h) { return h.fx.in.opt.window_right; })
+      .def_prop_ro("block_q", [](const fixture_handle& h) { return h.fx.in.opt.block_q; })
+      .def_prop_ro("block_k", [](const fixture_handle& h) { return h.fx.in.opt.block_k; })
+      .def_prop_ro("input_dtype",
+                   [](const fixture_handle& h) { return to_string(h.fx.in.opt.dtype); })
+      .def_prop_ro("atol", [](const fixture_handle& h) { return h.fx.tol.atol; })
+      .def_prop_ro("rtol", [](const fixture_handle& h) { return h.fx.tol.rtol; })
+      .def_prop_ro("atol_lse", [](const fixture_handle& h) { return h.fx.tol.atol_lse; })
+      .def("arrays", [](nb::handle self) {
+        const fixture_handle& h = nb::cast<const fixture_handle&>(self);
+        nb::dict d;
+        d["q"] = numpy_view(h.fx.in.q, self);
+        d["k"] = numpy_view(h.fx.in.k, self);
+        d["v"] = numpy_view(h.fx.in.v, self);
+        if (h.fx.in.opt.block_mask.size() > 0 && h.fx.in.opt.block_q > 0)
+          d["block_mask"] = numpy_view(h.fx.in.opt.block_mask, self);
+        if (!h.fx.in.opt.kv_len.empty()) d["kv_len"] = numpy_view(h.fx.in.opt.kv_len, self);
+        const std::vector<std::size_t> o_shape = golden_o_shape(h.fx.golden);
+        d["o"] = numpy_view(h.fx.golden.o.data(), o_shape, self);
+        d["lse"] = numpy_view(h.fx.golden.lse.data(), {o_shape[0], o_shape[1], o_shape[2]}, self);
+        if (h.fx.trace) {
+          d["trace_m"] = numpy_view(h.fx.trace->m, self);
+          d["trace_s"] = numpy_view(h.fx.trace->s, self);
+          d["trace_exp_old"] = numpy_view(h.fx.trace->exp_old, self);
+        }
+        return d;
+      });
+  m.def(
+      "read_fixture",
+      [](const std::string& path) {
+        fixture_handle h{testdata::read_fixture(path), path};
+        return h;
+      },
+      nb::arg("path"), nb::call_guard<nb::gil_scoped_release>());
+
+  nb::class_<testdata::check_row>(m, "CheckRow")
+      .def_ro("fixture", &testdata::check_row::fixture)
+      .def_ro("judged", &testdata::check_row::judged)
+      .def_ro("fixture_dtype", &testdata::check_row::fixture_dtype)
+      .def_ro("o_dtype", &testdata::check_row::o_dtype)
+      .def_ro("lse_dtype", &testdata::check_row::lse_dtype)
+      .def_ro("message", &testdata::check_row::message)
+      .def_ro("hints", &testdata::check_row::hints)
+      .def_prop_ro("verdict", [](const testdata::check_row& r) { return to_string(r.v); })
+      .def_prop_ro("atol", [](const testdata::check_row& r) { return r.tol.atol; })
+      .def_prop_ro("rtol", [](const testdata::check_row& r) { return r.tol.rtol; })
+      .def_prop_ro("atol_lse", [](const testdata::check_row& r) { return r.tol.atol_lse; })
+      .def_prop_ro("counts",
+                   [](const testdata::check_row& r) {
+                     const conformance_report& c = r.rep;
+                     nb::dict d;
+                     d["rows"] = c.rows;
+                     d["empty_rows"] = c.empty_rows;
+                     d["empty_rows_bad"] = c.empty_rows_bad;
+                     d["nan_rows"] = c.nan_rows;
+                     d["inf_rows"] = c.inf_rows;
+                     d["wrong_rows"] = c.wrong_rows;
+                     d["bad_elements"] = c.bad_elements;
+                     d["o_err_ratio"] = c.o_err_ratio;
+                     d["lse_err_ratio"] = c.lse_judged ? nb::cast(c.lse_err_ratio) : nb::none();
+                     d["max_abs_err"] = c.max_abs_err;
+                     d["max_rel_err"] = c.max_rel_err;
+                     d["max_lse_err"] = c.lse_judged ? nb::cast(c.max_lse_err) : nb::none();
+                     d["lse_judged"] = c.lse_judged;
+                     return d;
+                   })
+      .def("table", [](const testdata::check_row& r) {
+        const std::vector<testdata::check_row> rows{r};
+        return testdata::check_table(rows) + testdata::tolerance_lines(rows);
+      });
+  m.def("check", &check, nb::arg("fixture"), nb::arg("o"), nb::arg("lse").none(),
+        nb::arg("o_dtype"), nb::arg("lse_dtype"), nb::arg("judged"), nb::arg("keep_worst"));
+}
