@@ -11,6 +11,7 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -192,8 +193,8 @@ void fill_masks(Problem& p, const call& c) {
   p.block_k = c.block_k;
 }
 
-// Host memory: the float32 problem of the umbrella, run by any backend.
-backend run_host(const call& c, backend chosen) {
+// Host memory: the float32 problem of the umbrella, for any backend, over the caller's arrays.
+attention_problem host_problem(const call& c) {
   for (const auto& [field, a] :
        {std::pair{"q", &c.q}, std::pair{"k", &c.k}, std::pair{"v", &c.v}, std::pair{"o", &c.o}}) {
     if (!is_float32(a->dtype())) {
@@ -231,6 +232,11 @@ backend run_host(const call& c, backend chosen) {
                           shape_text(*c.kv_len));
     p.kv_len = static_cast<const std::int32_t*>(c.kv_len->data());
   }
+  return p;
+}
+
+backend run_host(const call& c, backend chosen) {
+  const attention_problem p = host_problem(c);
   nb::gil_scoped_release unlocked;
   return attention(p, chosen);
 }
@@ -284,6 +290,18 @@ void run_device(const call& c, std::uintptr_t stream) {
 }
 #endif
 
+// The checks every call passes before it reaches a backend.
+void expect_call(const call& c) {
+  const char* dims = c.blhd ? "(B, L, H, D)" : "(B, H, L, D)";
+  expect_ndim("q", c.q, 4, dims);
+  expect_ndim("k", c.k, 4, dims);
+  expect_ndim("v", c.v, 4, dims);
+  expect_ndim("o", c.o, 4, dims);
+  if (c.lse) expect_ndim("lse", *c.lse, 3, "(B, H, Lq)");
+  expect_same_device(c);
+  expect_masks(c);
+}
+
 // attention(q, k, v, o, lse, ...) -> the name of the backend that ran.
 const char* attention_into(const array& q, const array& k, const array& v, const array& o,
                            const std::optional<array>& lse, std::optional<double> scale,
@@ -292,12 +310,6 @@ const char* attention_into(const array& q, const array& k, const array& v, const
                            std::int64_t block_q, std::int64_t block_k,
                            const std::optional<array>& kv_len, const std::string& backend_name,
                            bool blhd, std::uintptr_t stream) {
-  const char* dims = blhd ? "(B, L, H, D)" : "(B, H, L, D)";
-  expect_ndim("q", q, 4, dims);
-  expect_ndim("k", k, 4, dims);
-  expect_ndim("v", v, 4, dims);
-  expect_ndim("o", o, 4, dims);
-  if (lse) expect_ndim("lse", *lse, 3, "(B, H, Lq)");
   const call c{q,
                k,
                v,
@@ -312,8 +324,7 @@ const char* attention_into(const array& q, const array& k, const array& v, const
                block_k,
                kv_len,
                blhd};
-  expect_same_device(c);
-  expect_masks(c);
+  expect_call(c);
   const backend chosen = parse_backend(backend_name);
   if (q.device_type() == kHost) return to_string(run_host(c, resolve(chosen)));
   if (q.device_type() != kCuda)
@@ -332,6 +343,45 @@ const char* attention_into(const array& q, const array& k, const array& v, const
   resolve(backend::cuda);  // throws: names why the CUDA backend is unavailable
   return to_string(backend::cuda);
 #endif
+}
+
+// For the binding's benchmark: the median time of `repeats` calls of the C++ entry
+// attention(problem, backend) on the problem attention_into would run (host memory only), timed
+// in C++, so that a Python timing of flashref.attention can be set against it.
+double entry_seconds(const array& q, const array& k, const array& v, const array& o,
+                     const std::optional<array>& lse, std::optional<double> scale,
+                     const std::string& causal, std::int64_t window_left, std::int64_t window_right,
+                     const std::optional<array>& block_mask, std::int64_t block_q,
+                     std::int64_t block_k, const std::optional<array>& kv_len,
+                     const std::string& backend_name, bool blhd, int repeats) {
+  const call c{q,
+               k,
+               v,
+               o,
+               lse,
+               scale,
+               parse_causal(causal),
+               window_left,
+               window_right,
+               block_mask,
+               block_q,
+               block_k,
+               kv_len,
+               blhd};
+  expect_call(c);
+  if (q.device_type() != kHost) throw type_error("q: expected host memory, got " + device_name(q));
+  const backend chosen = parse_backend(backend_name);
+  const attention_problem p = host_problem(c);
+  std::vector<double> times(std::size_t(std::max(repeats, 1)));
+  nb::gil_scoped_release unlocked;
+  attention(p, chosen);  // warm-up
+  for (double& t : times) {
+    const auto start = std::chrono::steady_clock::now();
+    attention(p, chosen);
+    t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
+  std::nth_element(times.begin(), times.begin() + std::ptrdiff_t(times.size() / 2), times.end());
+  return times[times.size() / 2];
 }
 
 // merge(o_a, lse_a, o_b, lse_b, o, lse): SPEC §5 row by row over C-contiguous arrays of one
@@ -479,6 +529,11 @@ NB_MODULE(_core, m) {
         nb::arg("window_right"), nb::arg("block_mask").none(), nb::arg("block_q"),
         nb::arg("block_k"), nb::arg("kv_len").none(), nb::arg("backend"), nb::arg("blhd"),
         nb::arg("stream"));
+  m.def("entry_seconds", &entry_seconds, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
+        nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
+        nb::arg("window_right"), nb::arg("block_mask").none(), nb::arg("block_q"),
+        nb::arg("block_k"), nb::arg("kv_len").none(), nb::arg("backend"), nb::arg("blhd"),
+        nb::arg("repeats"));
   m.def("merge_into", &merge_into, nb::arg("o_a"), nb::arg("lse_a"), nb::arg("o_b"),
         nb::arg("lse_b"), nb::arg("o"), nb::arg("lse"));
 
