@@ -67,9 +67,11 @@ strided<const float, R> shape_only(const device_view<R>& v) {
   return {static_cast<const float*>(v.data), v.shape, v.stride};
 }
 
-// The host-side mirror of a device problem, for validate() and make_mask_spec(). kv_len is left
-// out: it lives in device memory.
-attention_problem mirror(const device_problem& p) {
+// The shapes and masks of a device problem as the reference's problem type, so that the device
+// entry validates with the same rules (and messages) as every backend. Only the device entry
+// builds it; the host entry validates its own problem. kv_len is left out: it lives in device
+// memory.
+attention_problem shapes_of(const device_problem& p) {
   attention_problem m;
   m.q = shape_only(p.q);
   m.k = shape_only(p.k);
@@ -91,27 +93,84 @@ bool aligned16(const void* ptr) {
   return reinterpret_cast<std::uintptr_t>(ptr) % 16 == 0;
 }
 
-// The tensor-core kernel reads 16-byte rows: unit stride along the head dim, every other
-// stride a multiple of 8 elements, the base 16-byte aligned.
+// The tensor-core kernels read 16-byte rows (cp.async, or TMA on Hopper): unit stride along the
+// head dim, every other stride a multiple of 8 elements, the base 16-byte aligned.
 bool tensor_core_layout(const device_view<4>& t) {
   return t.stride[3] == 1 && t.stride[0] % 8 == 0 && t.stride[1] % 8 == 0 && t.stride[2] % 8 == 0 &&
          aligned16(t.data);
 }
 
-bool use_tensor_core(const device_problem& p) {
+bool tensor_core_applies(const device_problem& p) {
   const std::int64_t D = p.q.shape[3], Dv = p.v.shape[3];
   return p.input != input_dtype::float32 && D == Dv && (D == 64 || D == 128) &&
          tensor_core_layout(p.q) && tensor_core_layout(p.k) && tensor_core_layout(p.v);
 }
 
-void check_device_problem(const device_problem& p) {
-  validate(mirror(p));
+// The Hopper kernel's machine code is sm_90a: it runs on compute capability 9.0 alone, and
+// only when the library was built with it (CMake option FLASHREF_CUDA_HOPPER).
+bool hopper_runs_here() {
+#if defined(FLASHREF_CUDA_HOPPER)
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return false;
+  }
+  return major == 9 && minor == 0;
+#else
+  return false;
+#endif
+}
+
+enum class kernel_kind { hopper, tensor_core, simt };
+
+const char* name_of(kernel_kind k) {
+  switch (k) {
+    case kernel_kind::hopper:
+      return "hopper";
+    case kernel_kind::tensor_core:
+      return "tensor_core";
+    case kernel_kind::simt:
+      break;
+  }
+  return "simt";
+}
+
+// The dispatch table of attention.hpp: a forced kernel that cannot take the problem throws.
+kernel_kind choose(const device_problem& p) {
+  const bool tc = tensor_core_applies(p);
+  switch (p.kernel) {
+    case kernel_choice::automatic:
+      if (tc) return hopper_runs_here() ? kernel_kind::hopper : kernel_kind::tensor_core;
+      return kernel_kind::simt;
+    case kernel_choice::hopper:
+      if (!tc || !hopper_runs_here()) {
+        throw problem_error(
+            "kernel: expected a problem the hopper kernel takes (a build with it, compute "
+            "capability 9.0, bf16 or fp16, D = Dv in {64, 128}, 16-byte rows), got another");
+      }
+      return kernel_kind::hopper;
+    case kernel_choice::tensor_core:
+      if (!tc) {
+        throw problem_error(
+            "kernel: expected a problem the tensor_core kernel takes (bf16 or fp16, D = Dv in "
+            "{64, 128}, 16-byte rows), got another");
+      }
+      return kernel_kind::tensor_core;
+    case kernel_choice::simt:
+      break;
+  }
+  return kernel_kind::simt;
+}
+
+// The checks beyond SPEC §2's validation that the CUDA kernels add; shared by both entries.
+void check_device_limits(const device_problem& p, kernel_kind kernel) {
   if (p.output != input_dtype::float32 && p.output != p.input) {
     throw problem_error(std::string("output: expected float32 or the input dtype ") +
                         to_string(p.input) + ", got " + to_string(p.output));
   }
   const std::int64_t D = p.q.shape[3], Dv = p.v.shape[3];
-  if (!use_tensor_core(p)) {
+  if (kernel == kernel_kind::simt) {
     if (D > detail::kSimtMaxHeadDim) {
       throw problem_error("head_dim: expected at most " + std::to_string(detail::kSimtMaxHeadDim) +
                           " on the CUDA backend, got " + std::to_string(D));
@@ -140,31 +199,70 @@ void copy_array(std::int64_t (&dst)[R], const std::array<std::int64_t, R>& src) 
     dst[d] = src[d];
 }
 
-// Is every element of a host view finite?
-bool all_finite(const strided<const float, 4>& v) {
-  for (std::int64_t b = 0; b < v.shape[0]; ++b)
-    for (std::int64_t h = 0; h < v.shape[1]; ++h)
-      for (std::int64_t j = 0; j < v.shape[2]; ++j)
-        for (std::int64_t d = 0; d < v.shape[3]; ++d)
-          if (!std::isfinite(v(b, h, j, d))) return false;
-  return true;
+// Enqueues a validated problem; `mask` carries the problem's mask with kv_len in device memory.
+void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
+             double softmax_scale, cudaStream_t stream) {
+  const std::int64_t B = p.q.shape[0], Hq = p.q.shape[1], Hk = p.k.shape[1];
+  if (B * Hq * p.q.shape[2] == 0) return;  // nothing to write
+  detail::kernel_params kp{};
+  kp.q = p.q.data;
+  kp.k = p.k.data;
+  kp.v = p.v.data;
+  kp.o = p.o.data;
+  kp.lse = static_cast<float*>(p.lse.data);
+  copy_array(kp.q_stride, p.q.stride);
+  copy_array(kp.k_stride, p.k.stride);
+  copy_array(kp.v_stride, p.v.stride);
+  copy_array(kp.o_stride, p.o.stride);
+  copy_array(kp.lse_stride, p.lse.stride);
+  kp.batch = B;
+  kp.heads_q = Hq;
+  kp.heads_k = Hk;
+  kp.len_q = p.q.shape[2];
+  kp.len_k = p.k.shape[2];
+  kp.head_dim = p.q.shape[3];
+  kp.head_dim_v = p.v.shape[3];
+  kp.group = Hk > 0 ? Hq / Hk : 1;
+  kp.scale = static_cast<float>(softmax_scale);
+  kp.out = to_elem(p.output);
+  kp.mask = mask;
+  kp.mask.kv_len = p.kv_len;
+  switch (kernel) {
+    case kernel_kind::hopper:
+#if defined(FLASHREF_CUDA_HOPPER)
+      check(detail::launch_hopper(kp, to_elem(p.input), stream), "hopper kernel launch");
+#endif
+      return;
+    case kernel_kind::tensor_core:
+      check(detail::launch_tensor_core(kp, to_elem(p.input), stream), "tensor-core kernel launch");
+      return;
+    case kernel_kind::simt:
+      break;
+  }
+  check(detail::launch_simt(kp, to_elem(p.input), stream), "SIMT kernel launch");
 }
 
-// Packs a strided host view into a contiguous row-major vector.
+// Packs a strided host view into a contiguous row-major vector, in one pass that also tells
+// whether every element is finite (when `finite` is given).
 template <class T, int R>
-std::vector<std::remove_const_t<T>> pack(const strided<T, R>& v) {
+std::vector<std::remove_const_t<T>> pack(const strided<T, R>& v, bool* finite = nullptr) {
   std::vector<std::remove_const_t<T>> out(std::size_t(v.size()));
   std::array<std::int64_t, R> idx{};
+  bool all_finite = true;
   for (std::size_t n = 0; n < out.size(); ++n) {
     std::int64_t off = 0;
     for (int d = 0; d < R; ++d)
       off += idx[std::size_t(d)] * v.stride[std::size_t(d)];
     out[n] = v.data[off];
+    if constexpr (std::is_floating_point_v<std::remove_const_t<T>>) {
+      all_finite = all_finite && std::isfinite(out[n]);
+    }
     for (int d = R - 1; d >= 0; --d) {
       if (++idx[std::size_t(d)] < v.shape[std::size_t(d)]) break;
       idx[std::size_t(d)] = 0;
     }
   }
+  if (finite != nullptr) *finite = all_finite;
   return out;
 }
 
@@ -203,72 +301,60 @@ bool device_available(std::string* reason) {
 }
 
 const char* kernel_for(const device_problem& p) {
-  check_device_problem(p);
-  return use_tensor_core(p) ? "tensor_core" : "simt";
+  validate(shapes_of(p));
+  const kernel_kind kernel = choose(p);
+  check_device_limits(p, kernel);
+  return name_of(kernel);
 }
 
 void attention(const device_problem& p, cudaStream_t stream) {
-  check_device_problem(p);
-  const attention_problem m = mirror(p);
-  if (m.batch() * m.heads_q() * m.len_q() == 0) return;  // nothing to write
-
-  detail::kernel_params kp{};
-  kp.q = p.q.data;
-  kp.k = p.k.data;
-  kp.v = p.v.data;
-  kp.o = p.o.data;
-  kp.lse = static_cast<float*>(p.lse.data);
-  copy_array(kp.q_stride, p.q.stride);
-  copy_array(kp.k_stride, p.k.stride);
-  copy_array(kp.v_stride, p.v.stride);
-  copy_array(kp.o_stride, p.o.stride);
-  copy_array(kp.lse_stride, p.lse.stride);
-  kp.batch = m.batch();
-  kp.heads_q = m.heads_q();
-  kp.heads_k = m.heads_k();
-  kp.len_q = m.len_q();
-  kp.len_k = m.len_k();
-  kp.head_dim = m.head_dim();
-  kp.head_dim_v = m.head_dim_v();
-  kp.group = m.group_size();
-  kp.scale = static_cast<float>(m.softmax_scale());
-  kp.out = to_elem(p.output);
-  kp.mask = make_mask_spec(m);
-  kp.mask.kv_len = p.kv_len;
-
-  if (use_tensor_core(p)) {
-    check(detail::launch_tensor_core(kp, to_elem(p.input), stream), "tensor-core kernel launch");
-  } else {
-    check(detail::launch_simt(kp, to_elem(p.input), stream), "SIMT kernel launch");
-  }
+  const attention_problem shapes = shapes_of(p);
+  validate(shapes);
+  const kernel_kind kernel = choose(p);
+  check_device_limits(p, kernel);
+  enqueue(p, kernel, make_mask_spec(shapes), shapes.softmax_scale(), stream);
 }
 
-void attention(const attention_problem& p) {
+void attention(const attention_problem& p, kernel_choice kernel) {
   validate(p);
   const std::int64_t B = p.batch(), Hq = p.heads_q(), Lq = p.len_q();
   if (B * Hq * Lq == 0) return;  // nothing to write
 
+  // Each input is read once, into a contiguous copy; V's pass also tells whether it is finite.
+  bool v_finite = true;
+  const std::vector<float> q = pack(p.q), k = pack(p.k), v = pack(p.v, &v_finite);
+
   // float32 data on the host; the tensor-core kernels take it in the problem's dtype, which
   // the caller promises represents every input value exactly.
-  const input_dtype in = p.dtype;
   device_problem dp;
-  dp.input = in;
+  dp.input = p.dtype;
   dp.output = input_dtype::float32;
+  dp.kernel = kernel;
   dp.q = {nullptr, p.q.shape, dense_strides<4>(p.q.shape)};
   dp.k = {nullptr, p.k.shape, dense_strides<4>(p.k.shape)};
   dp.v = {nullptr, p.v.shape, dense_strides<4>(p.v.shape)};
   // The packed copies live in cudaMalloc'ed (256-byte aligned) buffers, so the shape alone
-  // decides whether the tensor-core kernel applies; otherwise the float32 kernel runs.
-  if (in != input_dtype::float32 && !use_tensor_core(dp)) dp.input = input_dtype::float32;
-  // The tensor-core kernel's P·V would carry a NaN or inf of V into the rows of a partial tile
+  // decides whether a tensor-core kernel applies; otherwise the float32 kernel runs.
+  if (dp.input != input_dtype::float32 && !tensor_core_applies(dp) &&
+      kernel == kernel_choice::automatic) {
+    dp.input = input_dtype::float32;
+  }
+  // The tensor-core kernels' P·V would carry a NaN or inf of V into the rows of a partial tile
   // that mask its key (0 · NaN). Such a V goes to the float32 kernel, which never reads a
   // masked key's value: a NaN reaches only the rows that see it (SPEC §2).
-  if (dp.input != input_dtype::float32 && !all_finite(p.v)) dp.input = input_dtype::float32;
+  if (dp.input != input_dtype::float32 && !v_finite) {
+    dp.input = input_dtype::float32;
+    dp.kernel = kernel_choice::automatic;
+  }
+  if (dp.input == input_dtype::float32 && dp.kernel != kernel_choice::simt) {
+    dp.kernel = kernel_choice::automatic;  // only the float32 kernel takes float32 input
+  }
+  const kernel_kind chosen = choose(dp);
+  check_device_limits(dp, chosen);
 
   cudaStream_t stream = nullptr;
-  auto upload = [&](const strided<const float, 4>& host, device_view<4>& dev,
+  auto upload = [&](const std::vector<float>& packed, device_view<4>& dev,
                     std::vector<device_buffer>& keep) {
-    const std::vector<float> packed = pack(host);
     keep.emplace_back(packed.size() * sizeof(float));
     float* d32 = static_cast<float*>(keep.back().get());
     check(cudaMemcpy(d32, packed.data(), packed.size() * sizeof(float), cudaMemcpyHostToDevice),
@@ -285,9 +371,9 @@ void attention(const attention_problem& p) {
   };
   std::vector<device_buffer> keep;
   keep.reserve(8);
-  upload(p.q, dp.q, keep);
-  upload(p.k, dp.k, keep);
-  upload(p.v, dp.v, keep);
+  upload(q, dp.q, keep);
+  upload(k, dp.k, keep);
+  upload(v, dp.v, keep);
 
   const std::array<std::int64_t, 4> o_shape{B, Hq, Lq, p.head_dim_v()};
   const std::array<std::int64_t, 3> lse_shape{B, Hq, Lq};
@@ -319,7 +405,12 @@ void attention(const attention_problem& p) {
     dp.kv_len = static_cast<const std::int32_t*>(mask_keep.back().get());
   }
 
-  attention(dp, stream);
+  // The mask as the kernels see it: the block mask's device copy (dense strides), kv_len in
+  // device memory (set by enqueue).
+  attention_problem on_device = p;
+  on_device.block_mask = {static_cast<const std::uint8_t*>(dp.block_mask.data), dp.block_mask.shape,
+                          dp.block_mask.stride};
+  enqueue(dp, chosen, make_mask_spec(on_device), p.softmax_scale(), stream);
   check(cudaStreamSynchronize(stream), "attention kernel");
 
   std::vector<float> o(std::size_t(B * Hq * Lq * p.head_dim_v()));

@@ -27,6 +27,18 @@ __device__ __forceinline__ float to_float(__half x) {
   return __half2float(x);
 }
 
+// Two floats -> one register of two 16-bit elements (lo in the low half).
+template <class T>
+__device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
+  if constexpr (std::is_same_v<T, __half>) {
+    const __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  } else {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  }
+}
+
 // Stores one output element as float32 or as the input element type T.
 template <class T>
 __device__ __forceinline__ void store_out(void* o, std::int64_t off, float x, elem out) {

@@ -30,6 +30,10 @@ struct kernel_params {
 // the last dimension and 16-byte aligned rows (checked by the caller).
 cudaError_t launch_tensor_core(const kernel_params& p, elem input, cudaStream_t stream);
 
+// The Hopper kernel (sm_90a: wgmma, TMA, warp specialisation): the same problems as
+// launch_tensor_core, on a device of compute capability 9.0 only.
+cudaError_t launch_hopper(const kernel_params& p, elem input, cudaStream_t stream);
+
 // The float32-accumulating SIMT kernel: any strides, head dims up to kSimtMaxHeadDim.
 inline constexpr std::int64_t kSimtMaxHeadDim = 256;
 cudaError_t launch_simt(const kernel_params& p, elem input, cudaStream_t stream);

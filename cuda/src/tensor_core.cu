@@ -84,18 +84,6 @@ __device__ __forceinline__ void mma_16816(float (&acc)[4], const std::uint32_t (
   }
 }
 
-// Two floats -> one register of two 16-bit elements (lo in the low half).
-template <class T>
-__device__ __forceinline__ std::uint32_t pack2(float lo, float hi) {
-  if constexpr (std::is_same_v<T, __half>) {
-    const __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<const std::uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const std::uint32_t*>(&h);
-  }
-}
-
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));

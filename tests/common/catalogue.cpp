@@ -36,7 +36,7 @@ void edge_cases_at(builder& add, std::int64_t d) {
     add.add("zero-sized dimension", t, 1);
   }
   for (std::int64_t lq : {1, 31, 64, 65, 129})
-    for (std::int64_t lk : {1, 33, 64, 127, 200}) {
+    for (std::int64_t lk : {1, 33, 64, 127, 200, 257}) {
       problem_shape t = s;
       t.Lq = lq, t.Lk = lk;
       add.add("lengths around the tile sizes", t, 2);

@@ -1,6 +1,8 @@
 // The CUDA backend against the naive float64 reference: the float32 SIMT path and the bf16 /
-// fp16 tensor-core path, every mask alone and combined, edge cases first, then random
-// problems; the device-pointer entry; determinism; tiles with no visible key are never read.
+// fp16 tensor-core paths (the Hopper kernel on a compute capability 9.0 device, the mma.sync
+// kernel everywhere), each forced in turn, every mask alone and combined, edge cases first, then
+// random problems; the device-pointer entry; determinism; tiles with no visible key are never
+// read.
 #include <catch2/catch.hpp>
 
 #include <cuda_runtime_api.h>
@@ -35,35 +37,101 @@ void cuda_check(cudaError_t e) {
   REQUIRE(std::string(cudaGetErrorString(e)) == "no error");
 }
 
-// The host entry with the problem's dtype (float32: the SIMT kernel; bfloat16 / float16: the
+// Can the Hopper kernel run here (a build with it, compute capability 9.0)? Asked of the
+// library itself: forcing it on a problem it takes throws exactly when it cannot run.
+bool hopper_device() {
+  fc::device_problem dp;
+  const std::array<std::int64_t, 4> shape{1, 1, 16, 64};
+  const std::array<std::int64_t, 4> stride{1024, 1024, 64, 1};
+  alignas(16) static const std::uint16_t kDummy[8] = {};  // never read: only shapes are checked
+  dp.q = {kDummy, shape, stride};
+  dp.k = {kDummy, shape, stride};
+  dp.v = {kDummy, shape, stride};
+  dp.o = {const_cast<std::uint16_t*>(kDummy), shape, stride};
+  dp.kernel = fc::kernel_choice::hopper;
+  try {
+    return std::string(fc::kernel_for(dp)) == "hopper";
+  } catch (const problem_error&) {
+    return false;
+  }
+}
+
+// The half-precision kernels, each forced: the Hopper kernel only where it can run.
+std::vector<fc::kernel_choice> half_kernels() {
+  std::vector<fc::kernel_choice> k{fc::kernel_choice::tensor_core};
+  if (hopper_device()) k.push_back(fc::kernel_choice::hopper);
+  return k;
+}
+
+const char* name_of(fc::kernel_choice k) {
+  switch (k) {
+    case fc::kernel_choice::hopper:
+      return "hopper";
+    case fc::kernel_choice::tensor_core:
+      return "tensor_core";
+    case fc::kernel_choice::simt:
+      return "simt";
+    case fc::kernel_choice::automatic:
+      break;
+  }
+  return "automatic";
+}
+
+// The host entry on one kernel (automatic: float32 the SIMT kernel; bfloat16 / float16 the
 // tensor-core kernel where the head dims allow).
-void host_entry(const flashref::attention_problem& p) {
-  fc::attention(p);
+flashref::test::runner host_entry(fc::kernel_choice kernel = fc::kernel_choice::automatic) {
+  return [kernel](const flashref::attention_problem& p) { fc::attention(p, kernel); };
+}
+
+// The kernels to run a dtype on: automatic, and each half-precision kernel forced.
+std::vector<fc::kernel_choice> kernels_for(input_dtype dtype) {
+  std::vector<fc::kernel_choice> k{fc::kernel_choice::automatic};
+  if (dtype != input_dtype::float32) {
+    for (const fc::kernel_choice h : half_kernels())
+      k.push_back(h);
+  }
+  return k;
+}
+
+// Can `kernel`, forced, take the case? The half-precision kernels need D = Dv in {64, 128}.
+bool takes(fc::kernel_choice kernel, const catalogue_case& c) {
+  if (kernel == fc::kernel_choice::automatic || kernel == fc::kernel_choice::simt) return true;
+  return c.shape.D == c.shape.Dv && (c.shape.D == 64 || c.shape.D == 128);
 }
 
 }  // namespace
 
 // The conformance suite (tests/conformance) runs the catalogue through backend::cuda; here it
-// runs again in this binary so that the GPU round's memcheck and racecheck cover every case.
-TEST_CASE("cuda: the catalogue in every dtype", "[cuda][race]") {
+// runs on every kernel, each forced (a half-precision kernel declines nothing of its head dims:
+// problems it cannot take fall back only under automatic), and in this binary so that the GPU
+// round's memcheck covers it.
+TEST_CASE("cuda: the catalogue on every kernel", "[cuda][catalogue]") {
   const input_dtype dtype =
       GENERATE(input_dtype::float32, input_dtype::bfloat16, input_dtype::float16);
-  for (const catalogue_case& c : flashref::test::edge_cases())
-    flashref::test::check_case(c, dtype, host_entry);
-  for (const catalogue_case& c : flashref::test::combined_masks())
-    flashref::test::check_case(c, dtype, host_entry);
+  for (const fc::kernel_choice kernel : kernels_for(dtype)) {
+    CAPTURE(name_of(kernel));
+    for (const catalogue_case& c : flashref::test::edge_cases()) {
+      if (!takes(kernel, c)) continue;
+      flashref::test::check_case(c, dtype, host_entry(kernel));
+    }
+    for (const catalogue_case& c : flashref::test::combined_masks())
+      flashref::test::check_case(c, dtype, host_entry(kernel));
+  }
 }
 
-TEST_CASE("cuda: random problems in every dtype", "[cuda][random]") {
+TEST_CASE("cuda: random problems on every kernel", "[cuda][random]") {
   const input_dtype dtype =
       GENERATE(input_dtype::float32, input_dtype::bfloat16, input_dtype::float16);
   for (const catalogue_case& c : flashref::test::random_cases(1, 120))
-    flashref::test::check_case(c, dtype, host_entry);
-  // Several tiles of the tensor-core kernel at its head dims.
-  for (catalogue_case c : flashref::test::random_cases(1, 50)) {
-    c.shape.D = c.shape.Dv = c.seed % 2 == 0 ? 64 : 128;
-    c.shape.Lq *= 2, c.shape.Lk *= 2;
-    flashref::test::check_case(c, dtype, host_entry);
+    flashref::test::check_case(c, dtype, host_entry());
+  // Several tiles of the tensor-core kernels at their head dims.
+  for (const fc::kernel_choice kernel : kernels_for(dtype)) {
+    CAPTURE(name_of(kernel));
+    for (catalogue_case c : flashref::test::random_cases(1, 50)) {
+      c.shape.D = c.shape.Dv = c.seed % 2 == 0 ? 64 : 128;
+      c.shape.Lq *= 2, c.shape.Lk *= 2;
+      flashref::test::check_case(c, dtype, host_entry(kernel));
+    }
   }
 }
 
@@ -106,7 +174,8 @@ float from_bf16_bits(std::uint16_t b) {
 
 // The device entry on bf16 data stored [B, L, H, D] with bf16 output [B, L, H, Dv].
 std::vector<float> run_device_entry(const problem_shape& s, const flashref::problem_data& op,
-                                    cudaStream_t stream, std::vector<float>* lse_out) {
+                                    fc::kernel_choice kernel, cudaStream_t stream,
+                                    std::vector<float>* lse_out) {
   const flashref::attention_problem p = op.inputs();
   auto to_bits = [](const xt::xtensor<float, 4>& x) {
     std::vector<std::uint16_t> out(x.size());
@@ -148,7 +217,8 @@ std::vector<float> run_device_entry(const problem_shape& s, const flashref::prob
     dp.kv_len =
         static_cast<const std::int32_t*>(dc.upload(kv.data(), kv.size() * sizeof(std::int32_t)));
   }
-  REQUIRE(std::string(fc::kernel_for(dp)) == "tensor_core");
+  dp.kernel = kernel;
+  REQUIRE(std::string(fc::kernel_for(dp)) == name_of(kernel));
   fc::attention(dp, stream);
   cuda_check(cudaStreamSynchronize(stream));
   std::vector<std::uint16_t> o_bits(o_count);
@@ -174,13 +244,15 @@ TEST_CASE("cuda device entry: bf16 in and out, [B, L, H, D] storage, a stream", 
   s.causal = causal_mode::bottom_right;
   s.block_q = 40, s.block_k = 72, s.block_density = 0.5, s.use_kv_len = true;
   s.blhd = true;  // the host copies are stored [B, L, H, D], as the device ones
-  CAPTURE(s.describe());
+  const std::vector<fc::kernel_choice> kernels = half_kernels();
+  const fc::kernel_choice kernel = GENERATE_COPY(from_range(kernels));
+  CAPTURE(s.describe(), name_of(kernel));
   flashref::problem_data op = flashref::test::random_problem(s, 21);
   flashref::test::round_inputs(op, input_dtype::bfloat16);
   cudaStream_t stream = nullptr;
   cuda_check(cudaStreamCreate(&stream));
   std::vector<float> lse;
-  const std::vector<float> o = run_device_entry(s, op, stream, &lse);
+  const std::vector<float> o = run_device_entry(s, op, kernel, stream, &lse);
   cuda_check(cudaStreamDestroy(stream));
   const flashref::reference::golden g = flashref::reference::naive_attention(op.inputs());
   const double max_v = flashref::test::max_abs(op.v);
@@ -193,13 +265,16 @@ TEST_CASE("cuda is bitwise deterministic from run to run", "[cuda][big]") {
   s.B = 2, s.Hq = 8, s.Hk = 4, s.Lq = 1500, s.Lk = 2100, s.D = s.Dv = 128;
   s.block_q = 128, s.block_k = 128, s.block_density = 0.3, s.causal = causal_mode::bottom_right;
   const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float32);
-  CAPTURE(flashref::to_string(dtype));
+  std::vector<fc::kernel_choice> kernels{fc::kernel_choice::simt};
+  if (dtype != input_dtype::float32) kernels = half_kernels();
+  const fc::kernel_choice kernel = GENERATE_COPY(from_range(kernels));
+  CAPTURE(flashref::to_string(dtype), name_of(kernel));
   flashref::problem_data op = flashref::test::random_problem(s, 31);
   flashref::test::round_inputs(op, dtype);
-  fc::attention(op.problem());
+  fc::attention(op.problem(), kernel);
   const flashref::attention_outputs first = op;
   flashref::test::poison_outputs(op);
-  fc::attention(op.problem());
+  fc::attention(op.problem(), kernel);
   REQUIRE(std::memcmp(first.o.data(), op.o.data(), op.o.size() * sizeof(float)) == 0);
   REQUIRE(std::memcmp(first.lse.data(), op.lse.data(), op.lse.size() * sizeof(float)) == 0);
 }
@@ -211,7 +286,10 @@ TEST_CASE("cuda never reads key tiles with no visible key", "[cuda][race]") {
   s.Hq = 2, s.Lq = 384, s.Lk = 384, s.block_q = 128, s.block_k = 64, s.block_density = 0.7;
   s.D = s.Dv = GENERATE(64, 128);
   const input_dtype dtype = GENERATE(input_dtype::float32, input_dtype::bfloat16);
-  CAPTURE(s.D, flashref::to_string(dtype));
+  std::vector<fc::kernel_choice> kernels{fc::kernel_choice::simt};
+  if (dtype != input_dtype::float32) kernels = half_kernels();
+  const fc::kernel_choice kernel = GENERATE_COPY(from_range(kernels));
+  CAPTURE(s.D, flashref::to_string(dtype), name_of(kernel));
   flashref::problem_data op = flashref::test::random_problem(s, 41);
   flashref::test::round_inputs(op, dtype);
   const auto bm = op.problem().block_mask;
@@ -231,7 +309,7 @@ TEST_CASE("cuda never reads key tiles with no visible key", "[cuda][race]") {
     for (std::int64_t d = 0; d < s.Dv; ++d)
       op.v(0, 0, std::size_t(j), std::size_t(d)) = NAN;
   }
-  fc::attention(op.problem());
+  fc::attention(op.problem(), kernel);
   const flashref::conformance_report r = check_against_naive(op, dtype);
   CHECK(r.empty_rows == 2 * 128);
   FLASHREF_REQUIRE_CONFORMS(r);
@@ -276,9 +354,17 @@ TEST_CASE("cuda device entry: kernel choice and errors name the field", "[cuda]"
   dp.o = {nullptr, shape, stride};
   dp.input = input_dtype::bfloat16;
   dp.o.data = const_cast<float*>(kDummy);
+  CHECK(std::string(fc::kernel_for(dp)) == (hopper_device() ? "hopper" : "tensor_core"));
+  dp.kernel = fc::kernel_choice::tensor_core;
   CHECK(std::string(fc::kernel_for(dp)) == "tensor_core");
+  dp.kernel = fc::kernel_choice::simt;
+  CHECK(std::string(fc::kernel_for(dp)) == "simt");
+  dp.kernel = fc::kernel_choice::automatic;
   dp.input = input_dtype::float32;
   CHECK(std::string(fc::kernel_for(dp)) == "simt");
+  dp.kernel = fc::kernel_choice::hopper;  // float32 input: no tensor-core kernel takes it
+  REQUIRE_THROWS_WITH(fc::kernel_for(dp), Catch::Contains("kernel: expected a problem the hopper"));
+  dp.kernel = fc::kernel_choice::automatic;
 
   dp.input = input_dtype::bfloat16;
   dp.q.stride = {2048, 1024, 1, 16};  // not unit stride along D: the SIMT kernel
@@ -317,10 +403,18 @@ TEST_CASE("cuda passes every golden fixture, float32 and half-precision paths",
     const flashref::testdata::fixture fx = flashref::testdata::read_fixture(dir / (c.name + ".h5"));
     // Every fixture on the float32 kernel; half-precision fixtures also on their own dtype
     // (the tensor-core kernel where the head dims allow).
-    std::vector<input_dtype> runs{input_dtype::float32};
-    if (fx.in.opt.dtype != input_dtype::float32) runs.push_back(fx.in.opt.dtype);
-    for (const input_dtype dtype : runs) {
-      CAPTURE(c.name, flashref::to_string(dtype));
+    std::vector<std::pair<input_dtype, fc::kernel_choice>> runs{
+        {input_dtype::float32, fc::kernel_choice::automatic}};
+    if (fx.in.opt.dtype != input_dtype::float32) {
+      runs.emplace_back(fx.in.opt.dtype, fc::kernel_choice::automatic);
+      const std::size_t d = fx.in.q.shape()[3], dv = fx.in.v.shape()[3];
+      if (d == dv && (d == 64 || d == 128)) {
+        for (const fc::kernel_choice k : half_kernels())
+          runs.emplace_back(fx.in.opt.dtype, k);
+      }
+    }
+    for (const auto& [dtype, kernel] : runs) {
+      CAPTURE(c.name, flashref::to_string(dtype), name_of(kernel));
       flashref::problem_data d = fx.in;
       flashref::attention_problem p = d.problem();
       auto& o = d.o;
@@ -328,7 +422,7 @@ TEST_CASE("cuda passes every golden fixture, float32 and half-precision paths",
       p.dtype = dtype;
       std::fill(o.begin(), o.end(), NAN);
       std::fill(lse.begin(), lse.end(), NAN);
-      fc::attention(p);
+      fc::attention(p, kernel);
       FLASHREF_REQUIRE_CONFORMS(flashref::compare(fx.golden, o.data(), lse.data(), fx.tol));
     }
   }

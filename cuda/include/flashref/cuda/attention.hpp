@@ -25,8 +25,23 @@ namespace flashref::cuda {
 // Is a CUDA device usable now? On false, *reason (when given) says why in one line.
 bool device_available(std::string* reason);
 
-// Host entry: validates, copies to the device, computes p.o and p.lse, copies back.
-void attention(const attention_problem& p);
+// Which kernel runs a problem. `automatic` takes the fastest one that applies on the current
+// device: hopper (sm_90 only), then tensor_core, then simt. Naming another forces it and throws
+// problem_error when that kernel cannot take the problem (tests use this to cover each kernel).
+//
+// clang-format off
+// | kernel      | device           | input       | D = Dv       | layout of q, k, v                 |
+// | ----------- | ---------------- | ----------- | ------------ | --------------------------------- |
+// | hopper      | compute cap 9.0  | bf16, fp16  | 64, 128      | unit stride along D, 16-byte rows |
+// | tensor_core | 8.0 or newer     | bf16, fp16  | 64, 128      | unit stride along D, 16-byte rows |
+// | simt        | 8.0 or newer     | any         | D, Dv <= 256 | any strides                       |
+// clang-format on
+enum class kernel_choice { automatic, hopper, tensor_core, simt };
+
+// Host entry: validates, copies to the device, computes p.o and p.lse, copies back. `kernel`
+// applies to bfloat16 / float16 problems (p.dtype); a float32 problem, and one whose V holds
+// NaN or inf (SPEC §2, cuda/NOTES.md), runs the simt kernel whatever the choice.
+void attention(const attention_problem& p, kernel_choice kernel = kernel_choice::automatic);
 
 // A device tensor: pointer + shape + strides, in elements of the tensor's dtype.
 template <int R>
@@ -67,18 +82,19 @@ struct device_problem {
   // (B) int32 in device memory, or null. Values must lie in [0, Lk]; device memory is not read
   // on the host, so they are not validated here.
   const std::int32_t* kv_len = nullptr;
+
+  kernel_choice kernel = kernel_choice::automatic;
 };
 
 // Device entry: validates shapes on the host, then enqueues the kernel on `stream`. It does not
 // synchronize; errors of the launch itself are thrown.
 //
-// The tensor-core kernels (bfloat16 / float16 input) need head dims D = Dv in {64, 128}, unit
-// stride in the last dimension of q, k, v and 16-byte aligned rows; other bfloat16 / float16
-// problems run on the float32-accumulating SIMT kernel. float32 input runs the SIMT kernel for
-// any D, Dv <= 256 and any strides.
+// The kernel is chosen by p.kernel and the table above kernel_choice; bfloat16 / float16
+// problems no tensor-core kernel takes run on the float32-accumulating SIMT kernel.
 void attention(const device_problem& p, cudaStream_t stream);
 
-// Which kernel attention(p, stream) would run: "tensor_core" or "simt". Throws like attention.
+// Which kernel attention(p, stream) would run: "hopper", "tensor_core" or "simt". Throws like
+// attention.
 const char* kernel_for(const device_problem& p);
 
 }  // namespace flashref::cuda

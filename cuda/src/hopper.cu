@@ -1,0 +1,151 @@
+// The Hopper forward kernel (sm_90a; bf16 / fp16 inputs, fp32 accumulation), in the design of
+// FlashAttention-3 (Shah et al. 2024): warp specialisation with TMA loads and wgmma.
+//
+// A block of three warpgroups computes 128 query rows of one (batch, head):
+//   warpgroup 0  producer (producer.cuh): one warp walks the visible key tiles and loads Q once
+//                and K, V per tile with TMA into a ring of stages (mbarrier full / empty);
+//   warpgroups 1, 2  consumers (consumer.cuh), 64 rows each: S = Q K^T, mask, online softmax,
+//                O += P V with P in registers, then the epilogue (epilogue.cuh).
+// setmaxnreg moves registers from the producer to the consumers. Tiles and barriers:
+// tiles.cuh; the order of query tiles: scheduler.cuh; PTX wrappers: sm90.cuh, wgmma.cuh.
+//
+// The instructions are sm_90a only: other targets compile an empty kernel that the dispatcher
+// never launches (it picks this kernel on compute capability 9.0 alone).
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "hopper/consumer.cuh"
+#include "hopper/producer.cuh"
+#include "hopper/scheduler.cuh"
+#include "hopper/tiles.cuh"
+#include "launch.hpp"
+
+namespace flashref::cuda::detail {
+namespace {
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FLASHREF_SM90A 1
+#else
+#define FLASHREF_SM90A 0
+#endif
+
+struct hopper_params {
+  sm90::tensor_maps maps;
+  kernel_params p;
+};
+
+template <class T, int kD>
+__global__ void __launch_bounds__(sm90::kThreads, 1)
+    hopper_kernel(const __grid_constant__ hopper_params hp) {
+#if FLASHREF_SM90A
+  using namespace sm90;
+  extern __shared__ __align__(1024) unsigned char s_raw[];
+  __shared__ barriers<tiles<kD>::kStages> bar;
+  const shared_tiles<kD> smem(s_raw);
+  const int warpgroup = static_cast<int>(threadIdx.x) / 128;
+  if (threadIdx.x == 0) {
+    bar.init();
+    tma_prefetch_map(&hp.maps.q);
+    tma_prefetch_map(&hp.maps.k);
+    tma_prefetch_map(&hp.maps.v);
+  }
+  __syncthreads();
+  const tile_work w = schedule(hp.p);
+  if (warpgroup == 0) {
+    setmaxnreg_dec<kProducerRegs>();
+    if (threadIdx.x < 32) produce<T, kD>(hp.p, hp.maps, w, smem, bar);
+  } else {
+    setmaxnreg_inc<kConsumerRegs>();
+    consume<T, kD>(hp.p, w, warpgroup - 1, smem, bar);
+  }
+#else
+  (void)hp;
+  __trap();
+#endif
+}
+
+// cuTensorMapEncodeTiled from the driver, found through the runtime (no link to libcuda).
+PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      ptr = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+  }();
+  return fn;
+}
+
+// A (D, L, H, B) map over a (B, H, L, D) tensor with the given element strides; boxes of
+// (64, rows, 1, 1) written to shared memory in the 128-byte swizzle layout; reads past the
+// extent give zeros. A dimension of extent 1 gets a nominal stride (its coordinate is 0).
+cudaError_t make_map(CUtensorMap* map, const void* base, elem input, std::int64_t B, std::int64_t H,
+                     std::int64_t L, std::int64_t D, const std::int64_t* stride, int rows) {
+  const auto fn = encode_tiled();
+  if (fn == nullptr) return cudaErrorNotSupported;
+  // No extent may be 0; with L = 0 no tile is ever loaded, so any extent describes it.
+  L = L > 0 ? L : 1;
+  const cuuint64_t dims[4] = {cuuint64_t(D), cuuint64_t(L), cuuint64_t(H), cuuint64_t(B)};
+  cuuint64_t strides[3];
+  std::int64_t packed = D * 2;
+  const std::int64_t extent[3] = {L, H, B};
+  for (int i = 0; i < 3; ++i) {
+    const std::int64_t bytes = stride[2 - i] * 2;
+    strides[i] = cuuint64_t(extent[i] == 1 || bytes <= 0 ? (packed + 15) / 16 * 16 : bytes);
+    packed = std::int64_t(strides[i]) * extent[i];
+  }
+  const cuuint32_t box[4] = {cuuint32_t(sm90::kBoxCols), cuuint32_t(rows), 1, 1};
+  const cuuint32_t unit[4] = {1, 1, 1, 1};
+  const CUresult r = fn(
+      map, input == elem::f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+      4, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+template <class T, int kD>
+cudaError_t launch(const kernel_params& p, elem input, cudaStream_t stream) {
+  hopper_params hp{};
+  hp.p = p;
+  cudaError_t e =
+      make_map(&hp.maps.q, p.q, input, p.batch, p.heads_q, p.len_q, kD, p.q_stride, sm90::kTileQ);
+  if (e == cudaSuccess) {
+    e = make_map(&hp.maps.k, p.k, input, p.batch, p.heads_k, p.len_k, kD, p.k_stride, sm90::kTileK);
+  }
+  if (e == cudaSuccess) {
+    e = make_map(&hp.maps.v, p.v, input, p.batch, p.heads_k, p.len_k, kD, p.v_stride, sm90::kTileK);
+  }
+  if (e != cudaSuccess) return e;
+  constexpr int kSmem = sm90::tiles<kD>::kSmemBytes;
+  e = cudaFuncSetAttribute(hopper_kernel<T, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                           kSmem);
+  if (e != cudaSuccess) return e;
+  const dim3 grid(static_cast<unsigned>((p.len_q + sm90::kTileQ - 1) / sm90::kTileQ),
+                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
+  hopper_kernel<T, kD><<<grid, sm90::kThreads, kSmem, stream>>>(hp);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_hopper(const kernel_params& p, elem input, cudaStream_t stream) {
+  const bool half = input == elem::f16;
+  if (p.head_dim == 64) {
+    return half ? launch<__half, 64>(p, input, stream)
+                : launch<__nv_bfloat16, 64>(p, input, stream);
+  }
+  return half ? launch<__half, 128>(p, input, stream)
+              : launch<__nv_bfloat16, 128>(p, input, stream);
+}
+
+}  // namespace flashref::cuda::detail

@@ -1,0 +1,88 @@
+#pragma once
+// The mask policy of one key tile, decided once per tile by the producer's classification:
+// a full tile only scales its scores; a partial tile also sets the scores of masked keys to
+// -inf, so that they never enter the exponent arithmetic (exp(-inf - m) = 0 exactly).
+
+#include <cstdint>
+
+#include "../common.cuh"
+#include "../launch.hpp"
+#include "scheduler.cuh"
+#include "tiles.cuh"
+
+namespace flashref::cuda::detail::sm90 {
+
+// Where this thread's accumulator elements sit in a consumer warpgroup's 64-row tile:
+// element 4 n8 + e is row row(e) and column 8 n8 + col(e).
+struct fragment_coords {
+  int row0;  // first of this thread's two rows, within the block's kTileQ rows
+  int col0;  // first of this thread's two columns in each n8 block
+
+  __device__ explicit fragment_coords(int consumer) {
+    const int t = static_cast<int>(threadIdx.x % 128);
+    row0 = consumer * kRowsPerConsumer + (t / 32) * 16 + (t % 32) / 4;
+    col0 = 2 * (t % 4);
+  }
+};
+
+struct tile_mask {
+  const mask_spec& mask;
+  const tile_work& w;
+  float scale;
+
+  // s: (64 rows, kTileK keys) of scores of key tile `tile`, this thread's 2 x 64 of them.
+  template <int kN>
+  __device__ void apply(float (&s)[kN], const fragment_coords& at, std::int64_t tile,
+                        bool full) const {
+    if (full) {
+#pragma unroll
+      for (int i = 0; i < kN; ++i)
+        s[i] *= scale;
+      return;
+    }
+    // One bit per key this thread holds of each row (bit 2 n8 + c: key 8 n8 + col0 + c),
+    // built in a rolled loop so that the hot unrolled loop below only tests bits.
+    constexpr int kBlocks = kN / 4;
+    static_assert(2 * kBlocks <= 32, "one 32-bit word per row");
+    std::uint32_t visible[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      visible[r] =
+          key_bits<kBlocks>(mask, w.b, w.h, w.q0 + at.row0 + 8 * r, tile * kTileK + at.col0);
+    }
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const int nb = i / 4, e = i % 4;
+      const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+      s[i] = on ? s[i] * scale : -INFINITY;
+    }
+  }
+
+  // Visibility of keys j0 + 8 nb + c (nb < kBlocks, c < 2) to query row i, one bit each: the
+  // row's key interval (mask_spec::row_range: causal, window, kv_len) once, then per key the
+  // interval test and, with a block mask, its block; the same rule as mask_spec::visible.
+  template <int kBlocks>
+  __device__ static std::uint32_t key_bits(const mask_spec& m, std::int64_t b, std::int64_t h,
+                                           std::int64_t i, std::int64_t j0) {
+    if (i >= m.len_q) return 0;  // rows past the end of the problem see nothing
+    const key_range r = m.row_range(b, i);
+    std::uint32_t bits = 0;
+    if (m.block_mask == nullptr) {
+#pragma unroll
+      for (int n = 0; n < 2 * kBlocks; ++n) {
+        const std::int64_t j = j0 + (n / 2) * 8 + n % 2;
+        if (j >= r.lo && j < r.hi) bits |= 1u << n;
+      }
+      return bits;
+    }
+    const std::int64_t qb = i / m.block_q;
+#pragma unroll 1
+    for (int n = 0; n < 2 * kBlocks; ++n) {
+      const std::int64_t j = j0 + (n / 2) * 8 + n % 2;
+      if (j >= r.lo && j < r.hi && m.block_visible(b, h, qb, j / m.block_k)) bits |= 1u << n;
+    }
+    return bits;
+  }
+};
+
+}  // namespace flashref::cuda::detail::sm90

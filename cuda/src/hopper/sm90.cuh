@@ -1,0 +1,100 @@
+#pragma once
+// The Hopper (sm_90a) instructions besides wgmma that the Hopper kernel uses, written as PTX:
+// mbarrier (transaction-counting shared-memory barriers), TMA (cp.async.bulk.tensor, the
+// bulk tensor copy engine), the proxy fence, setmaxnreg, and wgmma's shared-memory matrix
+// descriptors. Every address here is a shared-memory (shared::cta) address.
+
+#include <cuda.h>
+
+#include <cstdint>
+
+namespace flashref::cuda::detail::sm90 {
+
+__device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
+  return static_cast<std::uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// --- mbarrier --------------------------------------------------------------------------------
+// A phase completes when `count` arrivals have been made and every expected transaction byte
+// has landed; waiters name the phase by its parity (0, 1, 0, ...).
+
+__device__ __forceinline__ void mbar_init(std::uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count));
+}
+// Makes the initialised barriers visible to the copy engine and the other threads.
+__device__ __forceinline__ void mbar_init_fence() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+__device__ __forceinline__ void mbar_arrive(std::uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
+}
+// One arrival that also announces `bytes` of copies completing on this barrier.
+__device__ __forceinline__ void mbar_arrive_expect_tx(std::uint64_t* bar, unsigned bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)),
+               "r"(bytes)
+               : "memory");
+}
+// Waits until the phase of the given parity has completed.
+__device__ __forceinline__ void mbar_wait(std::uint64_t* bar, unsigned parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_AGAIN:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_AGAIN;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "r"(parity)
+      : "memory");
+}
+
+// --- TMA -------------------------------------------------------------------------------------
+
+// Copies the box at coordinates (c0, c1, c2, c3) (innermost first) of a 4-d tensor map to
+// shared memory; the bytes count on `bar`. Coordinates past the tensor's extent read zeros.
+__device__ __forceinline__ void tma_load_4d(void* s_dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, int c3, std::uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3, %4, %5}], [%6];\n" ::"r"(smem_addr(s_dst)),
+      "l"(reinterpret_cast<std::uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(c3),
+      "r"(smem_addr(bar))
+      : "memory");
+}
+__device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(map)) : "memory");
+}
+
+// Orders this thread's ordinary shared-memory stores before later reads by the async proxy
+// (wgmma, TMA).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// --- registers -------------------------------------------------------------------------------
+
+// Lowers (dec) or raises (inc) this warpgroup's per-thread register budget.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// --- wgmma matrix descriptors ----------------------------------------------------------------
+// A tile in shared memory in the 128-byte swizzle layout that TMA writes with
+// CU_TENSOR_MAP_SWIZZLE_128B: rows of 64 16-bit elements (128 bytes), the 16-byte chunk c of
+// row r stored at chunk c ^ (r % 8), each group of 8 rows a 1024-byte atom.
+//   K-major operand (Q, K): sbo = 1024 (the next 8 rows); lbo unused; a k-step of 16
+//     elements moves the start by 32 bytes inside the atom.
+//   MN-major operand (V as B of P V): sbo = 1024 (the next 8 keys), lbo = the distance to the
+//     next 64 columns (the next TMA box).
+__device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t addr, std::uint32_t lbo,
+                                                    std::uint32_t sbo) {
+  constexpr std::uint64_t kSwizzle128 = 1;
+  return std::uint64_t((addr & 0x3FFFF) >> 4) | (std::uint64_t((lbo >> 4) & 0x3FFF) << 16) |
+         (std::uint64_t((sbo >> 4) & 0x3FFF) << 32) | (kSwizzle128 << 62);
+}
+
+}  // namespace flashref::cuda::detail::sm90

@@ -1,0 +1,108 @@
+#pragma once
+// Tile sizes, the shared-memory layout and the barriers of the Hopper kernel, and the wgmma
+// descriptors that address its tiles.
+//
+// One block: 128 query rows (two consumer warpgroups of 64 rows) against key tiles of 128 keys.
+// Q (kTileQ, D) is loaded once; K and V (kTileK, D) stream through kStages stages. Every tile
+// is stored as D / 64 boxes of (rows, 64) in the 128-byte swizzle layout (sm90.cuh), one TMA
+// box each.
+
+#include <cstdint>
+
+#include "sm90.cuh"
+
+namespace flashref::cuda::detail::sm90 {
+
+inline constexpr int kTileQ = 128;           // query rows per block
+inline constexpr int kTileK = 128;           // keys per tile
+inline constexpr int kRowsPerConsumer = 64;  // query rows per consumer warpgroup
+inline constexpr int kConsumers = 2;         // consumer warpgroups
+inline constexpr int kThreads = 128 * (1 + kConsumers);
+inline constexpr int kBoxCols = 64;      // 16-bit elements per 128-byte swizzled row
+inline constexpr int kAtomBytes = 1024;  // 8 rows of 128 bytes
+// Registers per thread after setmaxnreg: the producer warpgroup gives, the consumers take from
+// what it gave. The block starts with 65536 / 384 = 168 per thread, so the budget balances when
+// (168 - kProducerRegs) * 128 >= (kConsumerRegs - 168) * 256; otherwise setmaxnreg.inc waits
+// forever.
+inline constexpr int kLaunchRegs = 168;
+inline constexpr int kProducerRegs = 64;
+inline constexpr int kConsumerRegs = 216;
+static_assert((kLaunchRegs - kProducerRegs) * 128 >=
+                  (kConsumerRegs - kLaunchRegs) * 128 * kConsumers,
+              "the consumers take no more registers than the producer gives");
+
+template <int kD>
+struct tiles {
+  static_assert(kD % kBoxCols == 0, "whole 64-column boxes");
+  static constexpr int kBoxes = kD / kBoxCols;
+  static constexpr int kStages = kD <= 64 ? 3 : 2;
+  static constexpr int kQBoxBytes = kTileQ * 128;   // (kTileQ, 64) 16-bit elements
+  static constexpr int kKVBoxBytes = kTileK * 128;  // (kTileK, 64)
+  static constexpr int kQBytes = kBoxes * kQBoxBytes;
+  static constexpr int kKVBytes = kBoxes * kKVBoxBytes;  // one of K or V, one stage
+  // Dynamic shared memory, with room to align the base to an atom.
+  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kAtomBytes;
+};
+
+// What the producer tells the consumers about the key tile in a stage.
+struct stage_info {
+  int tile;  // key tile index, or kNoMoreTiles
+  int full;  // 1: every (row, key) pair of the tile is visible, no element mask
+};
+inline constexpr int kNoMoreTiles = -1;
+
+// The block's shared memory: tiles in the dynamic part (atom-aligned), barriers beside.
+template <int kD>
+struct shared_tiles {
+  using t = tiles<kD>;
+  unsigned char* q;  // (kTileQ, kD) as kBoxes boxes
+  unsigned char* k;  // (kStages, kTileK, kD)
+  unsigned char* v;  // (kStages, kTileK, kD)
+
+  __device__ explicit shared_tiles(unsigned char* raw) {
+    const std::uint32_t base = smem_addr(raw);
+    unsigned char* aligned = raw + ((kAtomBytes - base % kAtomBytes) % kAtomBytes);
+    q = aligned;
+    k = q + t::kQBytes;
+    v = k + t::kStages * t::kKVBytes;
+  }
+  __device__ unsigned char* k_stage(int s) const { return k + s * t::kKVBytes; }
+  __device__ unsigned char* v_stage(int s) const { return v + s * t::kKVBytes; }
+
+  // Q rows of consumer warpgroup `wg`, k-step `ks` (16 columns of the head dim).
+  __device__ std::uint64_t q_desc(int wg, int ks) const {
+    return sw128_desc(
+        smem_addr(q) + (ks / 4) * t::kQBoxBytes + wg * kRowsPerConsumer * 128 + (ks % 4) * 32, 16,
+        kAtomBytes);
+  }
+  // All kTileK keys of stage s, k-step ks over the head dim.
+  __device__ std::uint64_t k_desc(int s, int ks) const {
+    return sw128_desc(smem_addr(k_stage(s)) + (ks / 4) * t::kKVBoxBytes + (ks % 4) * 32, 16,
+                      kAtomBytes);
+  }
+  // Keys [16 kk, 16 kk + 16) of stage s, every column of the head dim (MN-major).
+  __device__ std::uint64_t v_desc(int s, int kk) const {
+    return sw128_desc(smem_addr(v_stage(s)) + kk * 16 * 128, t::kKVBoxBytes, kAtomBytes);
+  }
+};
+
+template <int kStages>
+struct barriers {
+  std::uint64_t q_full;
+  std::uint64_t k_full[kStages];
+  std::uint64_t v_full[kStages];
+  std::uint64_t empty[kStages];  // one arrival per consumer warp
+  stage_info info[kStages];
+
+  __device__ void init() {
+    mbar_init(&q_full, 1);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(&k_full[s], 1);
+      mbar_init(&v_full[s], 1);
+      mbar_init(&empty[s], 4 * kConsumers);
+    }
+    mbar_init_fence();
+  }
+};
+
+}  // namespace flashref::cuda::detail::sm90

@@ -1,0 +1,132 @@
+#pragma once
+// The wgmma (warpgroup matrix multiply-accumulate, sm_90a) instructions the Hopper kernel
+// issues, one function each. The operand lists are long but regular: the accumulator of an
+// m64nNk16 product is N / 2 floats per thread, in the m16n8 layout of mma.sync repeated over N
+// (register 4 n8 + e holds row lane / 4 + 8 (e / 2), column 8 n8 + 2 (lane % 4) + e % 2, of
+// the 16 rows of this thread's warp).
+//
+//   wgmma_ss: D (64 x N) (+)= A (64 x 16, shared memory) * B (16 x N, shared memory), both
+//             K-major (Q K^T: Q rows and K rows hold the head dim contiguously).
+//   wgmma_rs: D (64 x N) += A (64 x 16, registers, the mma.sync A-fragment layout per warp)
+//             * B (16 x N, shared memory, MN-major: V rows hold the head dim contiguously).
+//
+// Each call only issues: the caller brackets a batch with wgmma_fence() / wgmma_commit() and
+// waits with wgmma_wait<n>() before reading D.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace flashref::cuda::detail::sm90 {
+
+// Orders this thread's register writes to accumulators before the wgmma that reads them.
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+// Waits until at most kPending committed groups are still in flight.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+}
+// Tells the compiler that the accumulators may change under it (the asynchronous wgmma writes
+// them): no read of them moves across this point.
+template <int kN>
+__device__ __forceinline__ void fence_operands(float (&d)[kN]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+    asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The operand lists, written once: the accumulator's N / 2 registers and their PTX names.
+#define FLASHREF_WGMMA_D32_REGS                            \
+  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15," \
+  "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+#define FLASHREF_WGMMA_D64_REGS                                      \
+  FLASHREF_WGMMA_D32_REGS                                            \
+  ","                                                                \
+  "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
+  "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+#define FLASHREF_WGMMA_D32_OPS                                                                    \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),    \
+      "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),  \
+      "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),  \
+      "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define FLASHREF_WGMMA_D64_OPS                                                                   \
+  FLASHREF_WGMMA_D32_OPS, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),       \
+      "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), \
+      "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), \
+      "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), \
+      "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+
+// One instruction, as a statement, for the element type TY ("f16" or "bf16").
+// ss, N = 128: D = A B (scale_d == 0) or D + A B (scale_d == 1), A and B in shared memory.
+#define FLASHREF_WGMMA_SS_N128(TY)                                   \
+  asm volatile(                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                   \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY       \
+      " "                                                            \
+      "{" FLASHREF_WGMMA_D64_REGS "}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
+      : FLASHREF_WGMMA_D64_OPS                                       \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+// rs: D += A B, A (four registers) from registers. A_REGS, DESC and PRED name the operands
+// that follow the accumulator's.
+#define FLASHREF_WGMMA_RS(N, TY, D_REGS, D_OPS, A_REGS, DESC, PRED)        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED                    \
+               ", 0;\n"                                                    \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY \
+               " "                                                         \
+               "{" D_REGS "}, {" A_REGS "}, " DESC ", p, 1, 1, 1;\n}\n"    \
+               : D_OPS                                                     \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1))
+
+// D (64 x 128) = A B (scale_d == 0) or D + A B (scale_d == 1).
+template <class T>
+__device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], std::uint64_t desc_a,
+                                              std::uint64_t desc_b, int scale_d) {
+  if constexpr (std::is_same_v<T, __half>) {
+    FLASHREF_WGMMA_SS_N128("f16");
+  } else {
+    FLASHREF_WGMMA_SS_N128("bf16");
+  }
+}
+
+// D (64 x 64) += A B, A from registers.
+template <class T>
+__device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const std::uint32_t (&a)[4],
+                                             std::uint64_t desc_b) {
+  if constexpr (std::is_same_v<T, __half>) {
+    FLASHREF_WGMMA_RS(64, "f16", FLASHREF_WGMMA_D32_REGS, FLASHREF_WGMMA_D32_OPS, "%32,%33,%34,%35",
+                      "%36", "%37");
+  } else {
+    FLASHREF_WGMMA_RS(64, "bf16", FLASHREF_WGMMA_D32_REGS, FLASHREF_WGMMA_D32_OPS,
+                      "%32,%33,%34,%35", "%36", "%37");
+  }
+}
+
+// D (64 x 128) += A B, A from registers.
+template <class T>
+__device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const std::uint32_t (&a)[4],
+                                              std::uint64_t desc_b) {
+  if constexpr (std::is_same_v<T, __half>) {
+    FLASHREF_WGMMA_RS(128, "f16", FLASHREF_WGMMA_D64_REGS, FLASHREF_WGMMA_D64_OPS,
+                      "%64,%65,%66,%67", "%68", "%69");
+  } else {
+    FLASHREF_WGMMA_RS(128, "bf16", FLASHREF_WGMMA_D64_REGS, FLASHREF_WGMMA_D64_OPS,
+                      "%64,%65,%66,%67", "%68", "%69");
+  }
+}
+
+#undef FLASHREF_WGMMA_RS
+#undef FLASHREF_WGMMA_SS_N128
+#undef FLASHREF_WGMMA_D64_OPS
+#undef FLASHREF_WGMMA_D32_OPS
+#undef FLASHREF_WGMMA_D64_REGS
+#undef FLASHREF_WGMMA_D32_REGS
+
+}  // namespace flashref::cuda::detail::sm90
