@@ -151,7 +151,8 @@ def attention(
         Query ``[B, Hq, Lq, D]``, key ``[B, Hk, Lk, D]`` and value ``[B, Hk, Lk, Dv]`` (with
         ``layout="blhd"``: ``[B, L, H, D]``), any strides; read in place, never copied.
         ``Hq`` must be a multiple of ``Hk`` (GQA/MQA). float32 on every backend; torch tensors
-        on a CUDA device may also be bfloat16 or float16.
+        on a CUDA device may also be bfloat16 or float16; with ``backend="reference"``, float64
+        arrays holding float32 values (the naive float64 reference, for gradient checks).
     scale : float, optional
         Score scale; default ``1 / sqrt(D)``.
     causal : {None, "bottom_right", "top_left"}, optional
@@ -180,8 +181,9 @@ def attention(
     o : same kind as q
         ``[B, Hq, Lq, Dv]`` (``[B, Lq, Hq, Dv]`` with ``layout="blhd"``): a numpy array for numpy
         inputs, a torch tensor on q's device for torch inputs (computed on the current CUDA
-        stream). float32, or q's dtype for bfloat16/float16 CUDA tensors.
-    lse : same kind as q, float32, only with ``return_lse=True``
+        stream). float32, or q's dtype for bfloat16/float16 CUDA tensors, float64 for float64
+        inputs on the reference backend.
+    lse : same kind as q, float32 (float64 as O is), only with ``return_lse=True``
         ``[B, Hq, Lq]``, natural log; ``-inf`` on rows with no visible key (where ``O = 0``).
 
     Raises
@@ -196,8 +198,10 @@ def attention(
     )
     if type(q) is np.ndarray:
         o_shape, lse_shape = _out_shapes(q, v, blhd)
-        o = np.empty(o_shape, np.float32)
-        lse = np.empty(lse_shape, np.float32) if return_lse else None
+        # float64 only on the reference backend, which computes in float64 (see gradcheck).
+        dtype = np.float64 if backend_s == "reference" and q.dtype == np.float64 else np.float32
+        o = np.empty(o_shape, dtype)
+        lse = np.empty(lse_shape, dtype) if return_lse else None
         if block_mask is not None and type(block_mask) is not np.ndarray:
             block_mask = np.asarray(block_mask)
         if kv_len is not None and (type(kv_len) is not np.ndarray or kv_len.dtype != np.int32):
@@ -219,7 +223,7 @@ def _attention_torch(q, k, v, scale, causal_s, left, right, block_mask, block_q,
                      kv_len, backend_s, blhd, return_lse):
     import torch
 
-    o, lse = _torch_outputs(q, v, blhd)
+    o, lse = _torch_outputs(q, v, blhd, backend_s)
     device = q.device
     if block_mask is not None:
         block_mask = torch.as_tensor(block_mask, device=device)
@@ -241,15 +245,26 @@ def _attention_torch(q, k, v, scale, causal_s, left, right, block_mask, block_q,
     return (o, lse) if return_lse else o
 
 
-def _torch_outputs(q, v, blhd):
+def _torch_outputs(q, v, blhd, backend_s):
     import torch
 
     o_shape, lse_shape = _out_shapes(q, v, blhd)
-    # float32 in host memory; on a CUDA device, the input dtype (float32, bfloat16, float16).
-    dtype = q.dtype if q.device.type == "cuda" else torch.float32
+    dtype, lse_dtype = _torch_dtypes(q, backend_s)
     o = torch.empty(o_shape, dtype=dtype, device=q.device)
-    lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    lse = torch.empty(lse_shape, dtype=lse_dtype, device=q.device)
     return o, lse
+
+
+def _torch_dtypes(q, backend_s):
+    """The dtypes of O and LSE for q: on a CUDA device O has q's dtype (float32, bfloat16,
+    float16); in host memory float32, or float64 on the reference backend."""
+    import torch
+
+    if q.device.type == "cuda":
+        return q.dtype, torch.float32
+    if q.dtype == torch.float64 and backend_s == "reference":
+        return torch.float64, torch.float64
+    return torch.float32, torch.float32
 
 
 def merge(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any):

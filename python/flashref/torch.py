@@ -42,8 +42,8 @@ def _attention_op(
 def _attention_fake(q, k, v, scale, causal, window_left, window_right, block_mask, block_q,
                     block_k, kv_len, backend, blhd):
     o_shape, lse_shape = _attention._out_shapes(q, v, blhd)
-    dtype = q.dtype if q.device.type == "cuda" else torch.float32
-    return q.new_empty(o_shape, dtype=dtype), q.new_empty(lse_shape, dtype=torch.float32)
+    dtype, lse_dtype = _attention._torch_dtypes(q, backend)
+    return q.new_empty(o_shape, dtype=dtype), q.new_empty(lse_shape, dtype=lse_dtype)
 
 
 def attention(

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -193,17 +194,34 @@ void fill_masks(Problem& p, const call& c) {
   p.block_k = c.block_k;
 }
 
+// The block mask and key lengths of a host problem, read in place.
+void attach_masks(attention_problem& p, const call& c) {
+  fill_masks(p, c);
+  if (c.block_mask) {
+    p.block_mask.data = static_cast<const std::uint8_t*>(c.block_mask->data());
+    view_n(p.block_mask, *c.block_mask);
+  }
+  if (c.kv_len) {
+    if (std::int64_t(c.kv_len->shape(0)) != p.q.shape[0])
+      throw problem_error("kv_len: expected shape [" + std::to_string(p.q.shape[0]) + "], got " +
+                          shape_text(*c.kv_len));
+    p.kv_len = static_cast<const std::int32_t*>(c.kv_len->data());
+  }
+}
+
 // Host memory: the float32 problem of the umbrella, for any backend, over the caller's arrays.
 attention_problem host_problem(const call& c) {
   for (const auto& [field, a] :
        {std::pair{"q", &c.q}, std::pair{"k", &c.k}, std::pair{"v", &c.v}, std::pair{"o", &c.o}}) {
     if (!is_float32(a->dtype())) {
       const std::optional<input_dtype> t = as_input_dtype(a->dtype());
+      const bool f64 = is(a->dtype(), nb::dlpack::dtype_code::Float, 64);
       throw type_error(std::string(field) + ": expected dtype float32 in host memory, got " +
                        dtype_name(a->dtype()) +
                        (t ? " (" + dtype_name(a->dtype()) + " inputs: in device memory on " +
                                 takers(*t, true) + ")"
-                          : ""));
+                        : f64 ? " (float64 inputs: the reference backend, backend=\"reference\")"
+                              : ""));
     }
   }
   attention_problem p;
@@ -221,17 +239,7 @@ attention_problem host_problem(const call& c) {
     p.lse.data = static_cast<float*>(const_cast<void*>(c.lse->data()));
     view_n(p.lse, *c.lse);
   }
-  fill_masks(p, c);
-  if (c.block_mask) {
-    p.block_mask.data = static_cast<const std::uint8_t*>(c.block_mask->data());
-    view_n(p.block_mask, *c.block_mask);
-  }
-  if (c.kv_len) {
-    if (std::int64_t(c.kv_len->shape(0)) != p.q.shape[0])
-      throw problem_error("kv_len: expected shape [" + std::to_string(p.q.shape[0]) + "], got " +
-                          shape_text(*c.kv_len));
-    p.kv_len = static_cast<const std::int32_t*>(c.kv_len->data());
-  }
+  attach_masks(p, c);
   return p;
 }
 
@@ -239,6 +247,102 @@ backend run_host(const call& c, backend chosen) {
   const attention_problem p = host_problem(c);
   nb::gil_scoped_release unlocked;
   return attention(p, chosen);
+}
+
+// --- float64 on the reference backend (for torch.autograd.gradcheck): the naive float64
+// reference on inputs that are float64 arrays holding float32 values, since every problem
+// stores float32. The values are narrowed (a copy) and must survive it exactly.
+
+// a (4-D, float64, [B, H, L, X] or blhd) as a contiguous [B, H, L, X] float32 tensor.
+xt::xtensor<float, 4> narrow(const char* field, const array& a, bool blhd) {
+  if (!is(a.dtype(), nb::dlpack::dtype_code::Float, 64) || a.device_type() != kHost)
+    throw type_error(std::string(field) + ": expected float64 in host memory (as q), got " +
+                     dtype_name(a.dtype()) + " on " + device_name(a));
+  strided<const double, 4> in;
+  in.data = static_cast<const double*>(a.data());
+  view4(in, a, blhd);
+  xt::xtensor<float, 4> out =
+      xt::empty<float>({std::size_t(in.shape[0]), std::size_t(in.shape[1]),
+                        std::size_t(in.shape[2]), std::size_t(in.shape[3])});
+  for (std::int64_t b = 0; b < in.shape[0]; ++b)
+    for (std::int64_t h = 0; h < in.shape[1]; ++h)
+      for (std::int64_t i = 0; i < in.shape[2]; ++i)
+        for (std::int64_t d = 0; d < in.shape[3]; ++d) {
+          const double x = in(b, h, i, d);
+          const float f = static_cast<float>(x);
+          if (double(f) != x && !std::isnan(x)) {
+            throw problem_error(std::string(field) + "[" + std::to_string(b) + ", " +
+                                std::to_string(h) + ", " + std::to_string(i) + ", " +
+                                std::to_string(d) +
+                                "]: expected a float64 value exactly representable in float32 "
+                                "(the reference reads float32 inputs), got " +
+                                testdata::number(x));
+          }
+          out(std::size_t(b), std::size_t(h), std::size_t(i), std::size_t(d)) = f;
+        }
+  return out;
+}
+
+// Writes row-major [B, H, L, X] values into the float64 output a ([B, H, L, X] or blhd).
+void widen_into(const char* field, const std::vector<double>& values, const array& a, bool blhd) {
+  if (!is(a.dtype(), nb::dlpack::dtype_code::Float, 64))
+    throw type_error(std::string(field) + ": expected dtype float64, got " + dtype_name(a.dtype()));
+  strided<double, 4> out;
+  out.data = static_cast<double*>(const_cast<void*>(a.data()));
+  view4(out, a, blhd);
+  if (std::size_t(out.size()) != values.size())
+    throw problem_error(std::string(field) + ": expected " + std::to_string(values.size()) +
+                        " elements, got " + std::to_string(out.size()));
+  std::size_t n = 0;
+  for (std::int64_t b = 0; b < out.shape[0]; ++b)
+    for (std::int64_t h = 0; h < out.shape[1]; ++h)
+      for (std::int64_t i = 0; i < out.shape[2]; ++i)
+        for (std::int64_t d = 0; d < out.shape[3]; ++d)
+          out(b, h, i, d) = values[n++];
+}
+
+// The inputs of a float64 call, narrowed, with the problem over them (no output views).
+struct narrowed {
+  xt::xtensor<float, 4> q, k, v;
+  attention_problem p;
+};
+
+void narrow_inputs(narrowed& n, const call& c) {
+  n.q = narrow("q", c.q, c.blhd);
+  n.k = narrow("k", c.k, c.blhd);
+  n.v = narrow("v", c.v, c.blhd);
+  const auto shape = [](const xt::xtensor<float, 4>& x) {
+    return std::array<std::int64_t, 4>{std::int64_t(x.shape(0)), std::int64_t(x.shape(1)),
+                                       std::int64_t(x.shape(2)), std::int64_t(x.shape(3))};
+  };
+  n.p.q = contiguous<const float, 4>(n.q.data(), shape(n.q));
+  n.p.k = contiguous<const float, 4>(n.k.data(), shape(n.k));
+  n.p.v = contiguous<const float, 4>(n.v.data(), shape(n.v));
+  attach_masks(n.p, c);
+}
+
+// O (float64, in the call's layout) and LSE (float64 [B, H, Lq]) of the naive reference.
+void reference64(const call& c) {
+  narrowed n;
+  narrow_inputs(n, c);
+  nb::gil_scoped_release unlocked;
+  const reference::golden g = reference::naive_attention(n.p);
+  widen_into("o", g.o, c.o, c.blhd);
+  if (c.lse) {
+    const array& lse = *c.lse;
+    if (!is(lse.dtype(), nb::dlpack::dtype_code::Float, 64) || lse.size() != g.lse.size())
+      throw problem_error("lse: expected float64 of " + std::to_string(g.lse.size()) +
+                          " elements, got " + dtype_name(lse.dtype()) + " of " +
+                          std::to_string(lse.size()));
+    strided<double, 3> out;
+    out.data = static_cast<double*>(const_cast<void*>(lse.data()));
+    view_n(out, lse);
+    std::size_t i = 0;
+    for (std::int64_t b = 0; b < out.shape[0]; ++b)
+      for (std::int64_t h = 0; h < out.shape[1]; ++h)
+        for (std::int64_t r = 0; r < out.shape[2]; ++r)
+          out(b, h, r) = g.lse[i++];
+  }
 }
 
 #if defined(FLASHREF_HAVE_CUDA)
@@ -326,6 +430,11 @@ const char* attention_into(const array& q, const array& k, const array& v, const
                blhd};
   expect_call(c);
   const backend chosen = parse_backend(backend_name);
+  if (q.device_type() == kHost && chosen == backend::reference &&
+      is(q.dtype(), nb::dlpack::dtype_code::Float, 64)) {
+    reference64(c);
+    return to_string(backend::reference);
+  }
   if (q.device_type() == kHost) return to_string(run_host(c, resolve(chosen)));
   if (q.device_type() != kCuda)
     throw type_error("q: expected host or CUDA memory, got " + device_name(q));

@@ -174,3 +174,20 @@ def test_the_gil_is_released_during_computation():
     # With the GIL held for the whole call this loop would run only between the call's start
     # and end (a handful of switches); released, it spins freely.
     assert ticks > 10000
+
+
+def test_float64_on_the_reference_backend_is_the_naive_reference():
+    fx = flashref.fixtures.load("blocksparse_empty_rows")
+    q, k, v = (x.astype(np.float64) for x in (fx.q, fx.k, fx.v))
+    o, lse = flashref.attention(q, k, v, **fx.attention_kwargs(), backend="reference",
+                                return_lse=True)
+    assert o.dtype == np.float64 and lse.dtype == np.float64
+    # The golden values are this reference's on the same inputs.
+    np.testing.assert_array_equal(o, fx.o)
+    np.testing.assert_array_equal(lse, fx.lse)
+    bad = q.copy()
+    bad[0, 0, 0, 0] = 0.1  # not a float32 value
+    with pytest.raises(ValueError) as e:
+        flashref.attention(bad, k, v, backend="reference")
+    assert str(e.value) == ("q[0, 0, 0, 0]: expected a float64 value exactly representable in "
+                            "float32 (the reference reads float32 inputs), got 0.1")

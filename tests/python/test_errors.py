@@ -34,7 +34,8 @@ def test_wrong_dtype_names_the_field_and_who_takes_it():
     q, k, v = problem()
     with pytest.raises(TypeError) as e:
         flashref.attention(q.astype(np.float64), k, v)
-    assert one_line(e) == "q: expected dtype float32 in host memory, got float64"
+    assert one_line(e) == ("q: expected dtype float32 in host memory, got float64 (float64 "
+                           "inputs: the reference backend, backend=\"reference\")")
     with pytest.raises(TypeError) as e:
         flashref.attention(q, k, v.astype(np.float16))
     assert one_line(e).startswith("v: expected dtype float32 in host memory, got float16 "
