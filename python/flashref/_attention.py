@@ -58,52 +58,44 @@ def _shape_text(shape: Sequence[int]) -> str:
 
 
 def _options(causal, window, block_mask, block_size, backend, layout):
-    """The keyword arguments of attention() as the core takes them (ValueError on a bad one)."""
-    try:
-        causal_s = _CAUSAL[causal]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"causal: expected None, 'bottom_right' or 'top_left', got {causal!r}"
-        ) from None
-    try:
-        backend_s = _BACKEND[backend]
-    except (KeyError, TypeError):
-        raise ValueError(
-            f"backend: expected one of auto, reference, cpu, cuda, got {backend!r}"
-        ) from None
-    try:
-        blhd = _LAYOUT[layout]
-    except (KeyError, TypeError):
-        raise ValueError(f"layout: expected 'bhld' or 'blhd', got {layout!r}") from None
+    """The keyword arguments of attention() as the core takes them (ValueError on a bad one).
+
+    Plain lookups and checks only, so that torch.compile traces it without a graph break.
+    """
+    causal_s = _CAUSAL.get(causal) if causal is None or isinstance(causal, (str, bool)) else None
+    if causal_s is None:
+        raise ValueError(f"causal: expected None, 'bottom_right' or 'top_left', got {causal!r}")
+    backend_s = _BACKEND.get(backend) if isinstance(backend, str) else None
+    if backend_s is None:
+        raise ValueError(f"backend: expected one of auto, reference, cpu, cuda, got {backend!r}")
+    blhd = _LAYOUT.get(layout) if isinstance(layout, str) else None
+    if blhd is None:
+        raise ValueError(f"layout: expected 'bhld' or 'blhd', got {layout!r}")
     if window is None:
         left = right = -1
     else:
-        try:
-            left, right = window
-        except (TypeError, ValueError):
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
             raise ValueError(
                 f"window: expected None or (left, right), each an int >= 0 or None, got {window!r}"
-            ) from None
-        left = -1 if left is None else int(left)
-        right = -1 if right is None else int(right)
+            )
+        left = -1 if window[0] is None else int(window[0])
+        right = -1 if window[1] is None else int(window[1])
         if left < -1 or right < -1:
             raise ValueError(f"window: expected sizes >= 0 or None, got {window!r}")
     if block_mask is None:
         if block_size is not None:
             raise ValueError(f"block_size: expected None without a block_mask, got {block_size!r}")
         block_q = block_k = 0
+    elif block_size is None:
+        raise ValueError(
+            "block_size: expected an int or (block_q, block_k) with a block_mask, got None"
+        )
+    elif isinstance(block_size, (int, np.integer)):
+        block_q = block_k = int(block_size)
+    elif isinstance(block_size, (tuple, list)) and len(block_size) == 2:
+        block_q, block_k = int(block_size[0]), int(block_size[1])
     else:
-        if block_size is None:
-            raise ValueError("block_size: expected an int or (block_q, block_k) with a block_mask, got None")
-        if isinstance(block_size, (int, np.integer)):
-            block_q = block_k = int(block_size)
-        else:
-            try:
-                block_q, block_k = (int(b) for b in block_size)
-            except (TypeError, ValueError):
-                raise ValueError(
-                    f"block_size: expected an int or (block_q, block_k), got {block_size!r}"
-                ) from None
+        raise ValueError(f"block_size: expected an int or (block_q, block_k), got {block_size!r}")
     return causal_s, left, right, block_q, block_k, backend_s, blhd
 
 

@@ -5,8 +5,6 @@ and goes through a ``torch.library`` custom op with a fake (meta) implementation
 compiled model keeps it as one opaque call.
 """
 
-from __future__ import annotations
-
 from typing import Optional, Tuple
 
 import torch
