@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <filesystem>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -543,6 +544,14 @@ struct fixture_handle {
   std::filesystem::path path;
 };
 
+// The HDF5 library is not built thread-safe: one reader at a time, other threads (and the
+// GIL) free meanwhile.
+fixture_handle read_fixture(const std::string& path) {
+  static std::mutex hdf5;
+  const std::lock_guard<std::mutex> one_at_a_time(hdf5);
+  return {testdata::read_fixture(path), path};
+}
+
 // Read-only numpy views of a fixture's storage, kept alive by the fixture handle.
 template <class T>
 nb::ndarray<nb::numpy, const T> numpy_view(const T* data, const std::vector<std::size_t>& shape,
@@ -717,13 +726,7 @@ NB_MODULE(_core, m) {
         }
         return d;
       });
-  m.def(
-      "read_fixture",
-      [](const std::string& path) {
-        fixture_handle h{testdata::read_fixture(path), path};
-        return h;
-      },
-      nb::arg("path"), nb::call_guard<nb::gil_scoped_release>());
+  m.def("read_fixture", &read_fixture, nb::arg("path"), nb::call_guard<nb::gil_scoped_release>());
 
   nb::class_<testdata::check_row>(m, "CheckRow")
       .def_ro("fixture", &testdata::check_row::fixture)

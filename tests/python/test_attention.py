@@ -157,6 +157,30 @@ def test_threads_get_their_own_results():
         np.testing.assert_array_equal(g, e)
 
 
+def test_fixtures_load_from_several_threads():
+    names = NAMES[:16]
+    expect = {n: flashref.fixtures.load(n).o for n in names}
+    got = {}
+
+    def work(n):
+        got[n] = flashref.fixtures.load(n).o
+
+    threads = [threading.Thread(target=work, args=(n,)) for n in names]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for n in names:
+        np.testing.assert_array_equal(got[n], expect[n])
+
+
+def test_no_keys_at_all():
+    q = np.ones((1, 2, 3, 4), np.float32)
+    k, v = np.ones((1, 1, 0, 4), np.float32), np.ones((1, 1, 0, 5), np.float32)
+    o, lse = flashref.attention(q, k, v, return_lse=True)
+    assert o.shape == (1, 2, 3, 5) and np.all(o == 0) and np.all(np.isneginf(lse))
+
+
 def test_the_gil_is_released_during_computation():
     q, k, v = random_problem(B=2, Hq=4, Hk=4, Lq=512, Lk=512, D=64, Dv=64)
     done = threading.Event()
