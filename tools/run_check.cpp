@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -40,7 +41,13 @@ struct run_options {
   std::string problem;
   std::string out;
   std::string backend = "automatic";
+  bool backward = false;  // also /dq, /dk, /dv from /inputs/do
 };
+
+std::string shape_str(const xt::xtensor<float, 4>& x) {
+  return "[" + std::to_string(x.shape(0)) + ", " + std::to_string(x.shape(1)) + ", " +
+         std::to_string(x.shape(2)) + ", " + std::to_string(x.shape(3)) + "]";
+}
 
 int run_problem(const run_options& opt) {
   const backend chosen = resolve(parse_backend(opt.backend));  // bad backend: before any I/O
@@ -51,13 +58,26 @@ int run_problem(const run_options& opt) {
   const std::string case_name =
       h5::has_attr(f, "/", "case") ? h5::read_string_attr(f, "/", "case") : "";
   const std::string digest = testdata::inputs_digest(in);
+  if (opt.backward && in.d_o.size() == 0 && in.q.shape(0) * in.q.shape(2) * in.v.shape(3) > 0) {
+    throw problem_error(opt.problem +
+                        ": /inputs/do: expected the upstream gradient for --backward, got nothing");
+  }
   const backend used = attention(in.problem(), chosen);
+  std::string used_names = to_string(used);
+  if (opt.backward) {  // the gradients of the forward just run, P from its own LSE
+    const backend used_bwd = attention_backward(in.problem(), in.gradients(), chosen);
+    if (used_bwd != used) used_names += std::string(" (backward ") + to_string(used_bwd) + ")";
+  }
   const auto& o = in.o;
   const auto& lse = in.lse;
-  testdata::write_result(opt.out, o, lse, to_string(used), case_name, digest);
-  std::printf("%s: wrote /o [%zu, %zu, %zu, %zu] and /lse [%zu, %zu, %zu] (float32, backend %s)\n",
-              opt.out.c_str(), o.shape(0), o.shape(1), o.shape(2), o.shape(3), lse.shape(0),
-              lse.shape(1), lse.shape(2), to_string(used));
+  testdata::write_result(opt.out, in, used_names, opt.backward, case_name, digest);
+  std::printf("%s: wrote /o %s and /lse [%zu, %zu, %zu]", opt.out.c_str(), shape_str(o).c_str(),
+              lse.shape(0), lse.shape(1), lse.shape(2));
+  if (opt.backward) {
+    std::printf(", /dq %s, /dk %s, /dv %s", shape_str(in.dq).c_str(), shape_str(in.dk).c_str(),
+                shape_str(in.dv).c_str());
+  }
+  std::printf(" (float32, backend %s)\n", used_names.c_str());
   return 0;
 }
 
@@ -70,6 +90,10 @@ struct check_options {
   bool skip_missing = false;          // a case without a candidate file is skipped, not an error
   std::size_t worst_rows = kDefaultWorstRows;  // failing rows per check in --json
 };
+
+std::vector<float> as_floats(const std::optional<xt::xtensor<double, 4>>& x) {
+  return x ? std::vector<float>(x->begin(), x->end()) : std::vector<float>{};
+}
 
 std::vector<fs::path> fixtures_in(const fs::path& target, const std::vector<std::string>& only) {
   std::vector<fs::path> files;
@@ -189,6 +213,19 @@ json row_json(const check_row& r) {
   }
   j["worst"] = worst;
   j["hints"] = r.hints;
+  j["gradients_judged"] = r.grads.judged();
+  for (auto [name, g] : {std::pair{"dq", &r.grads.dq}, {"dk", &r.grads.dk}, {"dv", &r.grads.dv}}) {
+    if (!g->has_value()) continue;
+    const gradient_report& x = **g;
+    j["gradients"][name] = {{"pass", x.pass()},
+                            {"bad_elements", x.bad_elements},
+                            {"nonfinite", x.nonfinite},
+                            {"max_abs_err", num(x.max_abs_err)},
+                            {"max_ref", num(x.max_ref)},
+                            {"zero_rows", x.zero_rows},
+                            {"zero_rows_nan", x.zero_rows_nan},
+                            {"zero_rows_nonzero", x.zero_rows_nonzero}};
+  }
   return j;
 }
 
@@ -265,9 +302,12 @@ int run_check(const check_options& opt) {
                                 ": a result of other inputs");
           }
         }
-        const testdata::result r = testdata::read_result(cand, fx.golden);
+        const testdata::result r =
+            testdata::read_result(cand, fx.golden, fx.grads ? &*fx.grads : nullptr);
+        const std::vector<float> dq = as_floats(r.dq), dk = as_floats(r.dk), dv = as_floats(r.dv);
         judge(row, fx, {r.o.data(), r.has_lse ? r.lse.data() : nullptr, r.o.size()}, file,
-              opt.worst_rows);
+              opt.worst_rows,
+              {r.dq ? dq.data() : nullptr, r.dk ? dk.data() : nullptr, r.dv ? dv.data() : nullptr});
       } catch (const problem_error& e) {
         row.v = verdict::error;
         row.message = e.what();
@@ -285,7 +325,17 @@ int run_check(const check_options& opt) {
         row.o_dtype = row.lse_dtype = "float32";
         const xt::xtensor<double, 4> o64 = xt::cast<double>(d.o);
         const xt::xtensor<double, 3> lse64 = xt::cast<double>(d.lse);
-        judge(row, fx, {o64.data(), lse64.data(), o64.size()}, file, opt.worst_rows);
+        bool has_backward = false;
+        for (const backend_info& info : backends())
+          has_backward = has_backward || (info.id == be && info.backward);
+        if (fx.grads && has_backward) {  // the backward too, from the forward just run
+          attention_backward(d.problem(), d.gradients(), be);
+          // Stored [B, H, L, X] as the fixture's golden gradients: row-major already.
+          judge(row, fx, {o64.data(), lse64.data(), o64.size()}, file, opt.worst_rows,
+                {d.dq.data(), d.dk.data(), d.dv.data()});
+        } else {
+          judge(row, fx, {o64.data(), lse64.data(), o64.size()}, file, opt.worst_rows);
+        }
       } catch (const problem_error& e) {  // e.g. a head dim this backend does not support
         row.v = verdict::error;
         row.message = std::string(to_string(be)) + " on " + name + ": " + e.what();
@@ -371,12 +421,16 @@ int run_check(const check_options& opt) {
 void add_run(CLI::App& app, exit_slot status) {
   auto opt = std::make_shared<run_options>();
   CLI::App* cmd = app.add_subcommand(
-      "run", "Compute /o and /lse (float32) of a problem file and write them atomically");
+      "run",
+      "Compute /o and /lse (float32) of a problem file, with --backward also /dq, /dk, /dv, and "
+      "write them atomically");
   cmd->add_option("--problem", opt->problem, "Problem file (the fixture layout, /golden optional)")
       ->required();
   cmd->add_option("--out", opt->out, "Result file to write")->required();
   cmd->add_option("--backend", opt->backend, "reference, cpu, cuda or automatic")
       ->capture_default_str();
+  cmd->add_flag("--backward", opt->backward,
+                "Also the backward pass: needs /inputs/do, writes /dq, /dk, /dv (float32)");
   cmd->callback([opt, status] { *status = run_problem(*opt); });
 }
 

@@ -172,7 +172,32 @@ std::string ratio_cell(double x, bool judged) {
   return buf;
 }
 
+// How a gradient failed, in the terms of SPEC §9: where an empty row (or a key no row sees)
+// went wrong — a NaN gradient, a non-zero dQ, a non-zero dK/dV contribution — and values out
+// of tolerance.
+std::string why_gradient_failed(const char* name, const gradient_report& r, bool is_dq) {
+  std::string s;
+  auto add = [&](std::int64_t n, const std::string& what) {
+    if (n > 0) s += (s.empty() ? "" : ", ") + std::to_string(n) + " " + what;
+  };
+  add(r.zero_rows_nan,
+      is_dq ? "empty rows with a NaN gradient" : "keys no row sees with a NaN gradient");
+  add(r.zero_rows_nonzero, is_dq ? std::string("empty rows with a non-zero dQ")
+                                 : "keys no row sees with a non-zero " + std::string(name) +
+                                       " (an empty row's contribution)");
+  add(r.nonfinite, "NaN/inf values");
+  add(r.bad_elements, "values outside tolerance");
+  return s.empty() ? s : std::string(name) + ": " + s;
+}
+
 }  // namespace
+
+std::string gradient_verdicts::judged() const {
+  std::string s;
+  for (auto [name, r] : {std::pair{"dq", &dq}, {"dk", &dk}, {"dv", &dv}})
+    if (r->has_value()) s += std::string(s.empty() ? "" : ",") + name;
+  return s.empty() ? "-" : s;
+}
 
 const char* to_string(verdict v) {
   return v == verdict::pass ? "pass" : v == verdict::fail ? "fail" : "error";
@@ -197,11 +222,26 @@ check_row row_for(const fixture& fx, const std::string& stem) {
 }
 
 void judge(check_row& row, const fixture& fx, const judged_values& x, const fs::path& fixture_file,
-           std::size_t keep_worst) {
+           std::size_t keep_worst, const judged_gradients& g) {
   row.rep = compare(fx.golden, x.o, x.lse, fx.tol, keep_worst);
-  row.v = row.rep.pass() ? verdict::pass : verdict::fail;
-  if (row.v == verdict::fail) row.hints = recognise_slips(row, fx, x, fixture_file);
-  if (row.v == verdict::fail || !row.rep.lse_judged) row.message = why_failed(row, fx.golden, x);
+  if (fx.grads) {
+    const reference::golden_gradients& gold = *fx.grads;
+    const input_dtype dt = fx.in.opt.dtype;
+    const std::int64_t D = gold.q_shape[3], Dv = gold.v_shape[3];
+    if (g.dq) row.grads.dq = compare_gradient(gold.dq, g.dq, D, gold.row_empty, dt);
+    if (g.dk) row.grads.dk = compare_gradient(gold.dk, g.dk, D, gold.key_unseen, dt);
+    if (g.dv) row.grads.dv = compare_gradient(gold.dv, g.dv, Dv, gold.key_unseen, dt);
+  }
+  const bool forward_ok = row.rep.pass();
+  row.v = forward_ok && row.grads.pass() ? verdict::pass : verdict::fail;
+  if (!forward_ok) row.hints = recognise_slips(row, fx, x, fixture_file);
+  if (!forward_ok || !row.rep.lse_judged) row.message = why_failed(row, fx.golden, x);
+  for (auto [name, r] :
+       {std::pair{"dq", &row.grads.dq}, {"dk", &row.grads.dk}, {"dv", &row.grads.dv}}) {
+    if (!r->has_value() || (*r)->pass()) continue;
+    row.message +=
+        (row.message.empty() ? "" : "; ") + why_gradient_failed(name, **r, name[1] == 'q');
+  }
 }
 
 std::string check_table(const std::vector<check_row>& rows) {
@@ -210,23 +250,24 @@ std::string check_table(const std::vector<check_row>& rows) {
   for (const check_row& r : rows)
     w = std::max(w, r.fixture.size());
   const int cw = int(w);
-  s += format("%-*s %-9s %-15s %9s %11s %5s %5s %6s %9s  %s\n", cw, "case", "judged", "dtype",
-              "O err/tol", "LSE err/tol", "NaN", "inf", "wrong", "empty ok", "verdict");
+  s +=
+      format("%-*s %-9s %-15s %9s %11s %5s %5s %6s %9s %-9s  %s\n", cw, "case", "judged", "dtype",
+             "O err/tol", "LSE err/tol", "NaN", "inf", "wrong", "empty ok", "gradients", "verdict");
   for (const check_row& r : rows) {
     if (r.v == verdict::error) {
-      s += format("%-*s %-9s %-15s %9s %11s %5s %5s %6s %9s  ERROR\n", cw, r.fixture.c_str(),
-                  r.judged.c_str(), dtype_cell(r).c_str(), "-", "-", "-", "-", "-", "-");
+      s += format("%-*s %-9s %-15s %9s %11s %5s %5s %6s %9s %-9s  ERROR\n", cw, r.fixture.c_str(),
+                  r.judged.c_str(), dtype_cell(r).c_str(), "-", "-", "-", "-", "-", "-", "-");
       continue;
     }
     const conformance_report& c = r.rep;
     const std::string empty =
         std::to_string(c.empty_rows - c.empty_rows_bad) + "/" + std::to_string(c.empty_rows);
-    s += format("%-*s %-9s %-15s %9s %11s %5lld %5lld %6lld %9s  %s%s%s\n", cw, r.fixture.c_str(),
-                r.judged.c_str(), dtype_cell(r).c_str(), ratio_cell(c.o_err_ratio, true).c_str(),
-                ratio_cell(c.lse_err_ratio, c.lse_judged).c_str(), (long long)c.nan_rows,
-                (long long)c.inf_rows, (long long)c.wrong_rows, empty.c_str(),
-                r.v == verdict::pass ? "PASS" : "FAIL", r.message.empty() ? "" : ": ",
-                r.message.c_str());
+    s += format(
+        "%-*s %-9s %-15s %9s %11s %5lld %5lld %6lld %9s %-9s  %s%s%s\n", cw, r.fixture.c_str(),
+        r.judged.c_str(), dtype_cell(r).c_str(), ratio_cell(c.o_err_ratio, true).c_str(),
+        ratio_cell(c.lse_err_ratio, c.lse_judged).c_str(), (long long)c.nan_rows,
+        (long long)c.inf_rows, (long long)c.wrong_rows, empty.c_str(), r.grads.judged().c_str(),
+        r.v == verdict::pass ? "PASS" : "FAIL", r.message.empty() ? "" : ": ", r.message.c_str());
   }
   return s;
 }
@@ -261,6 +302,14 @@ std::string tolerance_lines(const std::vector<check_row>& rows) {
   }
   s += "O err/tol, LSE err/tol: the largest error over what the rule allows there "
        "(<= 1 passes)\n";
+  const bool gradients = std::any_of(rows.begin(), rows.end(), [](const check_row& r) {
+    return r.grads.dq || r.grads.dk || r.grads.dv;
+  });
+  if (gradients) {
+    s += "gradients (SPEC §9), per tensor X: |x - ref| <= rtol * max|ref| + rtol * |ref|, rtol = "
+         "1e-4 (float32), 2^-5 (bfloat16), 2^-8 (float16); dQ of empty rows and dK, dV of keys no "
+         "row sees exactly 0\n";
+  }
   return s;
 }
 

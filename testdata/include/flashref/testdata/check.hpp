@@ -5,9 +5,11 @@
 
 #include <cstddef>
 #include <filesystem>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "flashref/reference/backward.hpp"
 #include "flashref/reference/conformance.hpp"
 #include "flashref/testdata/fixture.hpp"
 
@@ -23,6 +25,20 @@ struct judged_values {
   std::size_t o_size = 0;
 };
 
+// The gradients a result holds, row-major like the fixture's golden ones (null: not held).
+struct judged_gradients {
+  const float* dq = nullptr;
+  const float* dk = nullptr;
+  const float* dv = nullptr;
+};
+
+// The backward's gradients judged for one row: each tensor present (SPEC §9).
+struct gradient_verdicts {
+  std::optional<gradient_report> dq, dk, dv;
+  std::string judged() const;  // "dq,dk,dv", or "-" for none
+  bool pass() const { return (!dq || dq->pass()) && (!dk || dk->pass()) && (!dv || dv->pass()); }
+};
+
 // One check: one fixture, one judged result.
 struct check_row {
   std::string fixture;  // the case: file name without .h5
@@ -35,16 +51,19 @@ struct check_row {
   verdict v = verdict::error;
   std::string message;             // why FAIL or ERROR
   std::vector<std::string> hints;  // a convention slip recognised in a failing result
+  gradient_verdicts grads;         // the backward's, when the result holds gradients
 };
 
 // A row for the fixture fx with what the fixture alone says (case, dtype, tolerances, max|V|);
 // judge() fills in the rest.
 check_row row_for(const fixture& fx, const std::string& stem);
 
-// Judges x against fx into row: the report, the verdict, the hints and the message.
-// fixture_file locates the fixture's half-precision twins, named in a hint when one applies.
+// Judges x (and the gradients g holds, against the fixture's golden ones when it has them) into
+// row: the report, the verdict, the hints and the message. fixture_file locates the fixture's
+// half-precision twins, named in a hint when one applies.
 void judge(check_row& row, const fixture& fx, const judged_values& x,
-           const std::filesystem::path& fixture_file, std::size_t keep_worst);
+           const std::filesystem::path& fixture_file, std::size_t keep_worst,
+           const judged_gradients& g = {});
 
 // x as text: "nan", "+inf", "-inf" or %.6g.
 std::string number(double x);
