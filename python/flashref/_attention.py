@@ -259,6 +259,88 @@ def _torch_dtypes(q, backend_s):
     return torch.float32, torch.float32
 
 
+def attention_backward(
+    q: Any,
+    k: Any,
+    v: Any,
+    o: Any,
+    lse: Any,
+    do: Any,
+    *,
+    scale: Optional[float] = None,
+    causal: Union[None, str] = None,
+    window: Optional[Tuple[Optional[int], Optional[int]]] = None,
+    block_mask: Any = None,
+    block_size: Union[None, int, Tuple[int, int]] = None,
+    kv_len: Any = None,
+    backend: str = "auto",
+    layout: str = "bhld",
+):
+    """The backward pass: the gradients of ``sum(O * dO)`` with respect to q, k and v.
+
+    Parameters
+    ----------
+    q, k, v, scale, causal, window, block_mask, block_size, kv_len, layout
+        The forward's inputs, as for :func:`attention`.
+    o, lse : array_like
+        The forward's results (``attention(..., return_lse=True)``), read, not recomputed: the
+        probabilities are rebuilt from LSE (rows with ``LSE = -inf`` get zero gradients).
+    do : array_like
+        The upstream gradient, shaped as ``o``.
+    backend : {"auto", "reference", "cpu", "cuda"}
+        ``"auto"`` picks the first available backend with a backward pass.
+
+    Returns
+    -------
+    dq, dk, dv : same kind as q
+        Shaped as q, k and v; float32 (float64 for float64 inputs on the reference backend).
+
+    Raises
+    ------
+    ValueError, TypeError
+        As :func:`attention`; also for a backend without a backward pass, and for tensors in
+        device memory (no backend has a backward pass there yet).
+    """
+    causal_s, left, right, block_q, block_k, backend_s, blhd = _options(
+        causal, window, block_mask, block_size, backend, layout
+    )
+    if type(q) is np.ndarray:
+        dtype = np.float64 if backend_s == "reference" and q.dtype == np.float64 else np.float32
+        dq, dk, dv = (np.empty(np.shape(x), dtype) for x in (q, k, v))
+        if block_mask is not None and type(block_mask) is not np.ndarray:
+            block_mask = np.asarray(block_mask)
+        if kv_len is not None and (type(kv_len) is not np.ndarray or kv_len.dtype != np.int32):
+            kv_len = np.asarray(kv_len, dtype=np.int32)
+        _core.attention_backward_into(
+            q, k, v, o, lse, do, dq, dk, dv, scale, causal_s, left, right, block_mask, block_q,
+            block_k, kv_len, backend_s, blhd,
+        )
+        return dq, dk, dv
+    if _is_torch(q):
+        return _attention_backward_torch(
+            q, k, v, o, lse, do, scale, causal_s, left, right, block_mask, block_q, block_k,
+            kv_len, backend_s, blhd,
+        )
+    raise TypeError(f"q: expected a numpy array or a torch tensor, got {type(q).__name__}")
+
+
+def _attention_backward_torch(q, k, v, o, lse, do, scale, causal_s, left, right, block_mask,
+                              block_q, block_k, kv_len, backend_s, blhd):
+    import torch
+
+    dtype = _torch_dtypes(q, backend_s)[0]
+    dq, dk, dv = (torch.empty(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
+    if block_mask is not None:
+        block_mask = torch.as_tensor(block_mask, device=q.device)
+    if kv_len is not None:
+        kv_len = torch.as_tensor(kv_len, dtype=torch.int32, device=q.device)
+    _core.attention_backward_into(
+        q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), do.detach(), dq, dk, dv,
+        scale, causal_s, left, right, block_mask, block_q, block_k, kv_len, backend_s, blhd,
+    )
+    return dq, dk, dv
+
+
 def merge(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any):
     """Merge two partial results over disjoint key sets (SPEC §5).
 

@@ -42,6 +42,11 @@ class CheckReport:
         return list(self._row.hints)
 
     @property
+    def gradients_judged(self) -> str:
+        """The gradients judged, ``"dq,dk,dv"`` or a part of it, ``"-"`` for none."""
+        return self._row.gradients_judged
+
+    @property
     def fixture(self) -> str:
         return self._row.fixture
 
@@ -77,11 +82,24 @@ def _as_float64(x: Any, layout: str):
     return np.ascontiguousarray(x, dtype=np.float64), dtype
 
 
+def _as_float32(x: Any, layout: str):
+    """A gradient as C-contiguous float32 numpy, [B, H, L, X]."""
+    if type(x).__module__.startswith("torch"):
+        x = x.detach().to("cpu").float().numpy()
+    x = np.asarray(x)
+    if layout == "blhd" and x.ndim == 4:
+        x = x.transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
 def check(
     fixture: Union[Fixture, str, "os.PathLike[str]"],
     o: Any,
     lse: Any = None,
     *,
+    dq: Any = None,
+    dk: Any = None,
+    dv: Any = None,
     layout: str = "bhld",
     judged: str = "candidate",
     keep_worst: int = 5,
@@ -97,6 +115,9 @@ def check(
         any float dtype, any device.
     lse : array_like or torch.Tensor, optional
         ``[B, Hq, Lq]``, natural log. Without it O is judged alone.
+    dq, dk, dv : array_like or torch.Tensor, optional
+        Gradients of ``sum(O * fixture.do)``, shaped as q, k and v (in ``layout``); each one
+        given is judged against the fixture's golden gradient (SPEC §9).
     layout : {"bhld", "blhd"}
         How ``o`` is stored.
     judged : str
@@ -115,5 +136,6 @@ def check(
         raise ValueError(f"layout: expected 'bhld' or 'blhd', got {layout!r}")
     o64, o_dtype = _as_float64(o, layout)
     lse64, lse_dtype = (None, "") if lse is None else _as_float64(lse, "bhld")
-    row = _core.check(fixture.handle, o64, lse64, o_dtype, lse_dtype, judged, keep_worst)
+    grads = [None if g is None else _as_float32(g, layout) for g in (dq, dk, dv)]
+    row = _core.check(fixture.handle, o64, lse64, *grads, o_dtype, lse_dtype, judged, keep_worst)
     return CheckReport(row)

@@ -47,6 +47,10 @@ class Fixture:
         The tolerances (``atol`` already scaled by ``max|V|``).
     trace : dict of numpy.ndarray or None
         For the spec cases: ``m``, ``s``, ``exp_old`` per tile of the spec function.
+    do : numpy.ndarray, float32, or None
+        The backward's upstream gradient ``[B, Hq, Lq, Dv]``.
+    dq, dk, dv : numpy.ndarray, float64, or None
+        The golden gradients of ``sum(O * do)``, shaped as q, k and v.
     """
 
     name: str
@@ -68,7 +72,11 @@ class Fixture:
     rtol: float
     atol_lse: float
     trace: Optional[Dict[str, np.ndarray]]
-    handle: Any = field(repr=False, compare=False)
+    do: Optional[np.ndarray] = None
+    dq: Optional[np.ndarray] = None
+    dk: Optional[np.ndarray] = None
+    dv: Optional[np.ndarray] = None
+    handle: Any = field(default=None, repr=False, compare=False)
 
     def attention_kwargs(self) -> Dict[str, Any]:
         """The masks and scale as keyword arguments of :func:`flashref.attention`."""
@@ -146,5 +154,9 @@ def load(name_or_path: Union[str, "os.PathLike[str]"]) -> Fixture:
         rtol=h.rtol,
         atol_lse=h.atol_lse,
         trace=trace,
+        do=a.get("do"),
+        dq=a.get("dq"),
+        dk=a.get("dk"),
+        dv=a.get("dv"),
         handle=h,
     )

@@ -455,6 +455,97 @@ const char* attention_into(const array& q, const array& k, const array& v, const
 #endif
 }
 
+// --- the backward pass (SPEC §9) -------------------------------------------------------------
+
+struct grads_call {
+  const array& d_o;
+  const array& dq;
+  const array& dk;
+  const array& dv;
+};
+
+void expect_grads(const call& c, const grads_call& g) {
+  const char* dims = c.blhd ? "(B, L, H, D)" : "(B, H, L, D)";
+  if (!c.lse) throw problem_error("lse: expected the forward's LSE for the backward, got None");
+  for (const auto& [field, a] : {std::pair{"do", &g.d_o}, std::pair{"dq", &g.dq},
+                                 std::pair{"dk", &g.dk}, std::pair{"dv", &g.dv}}) {
+    expect_ndim(field, *a, 4, dims);
+    if (a->device_type() != c.q.device_type() || a->device_id() != c.q.device_id())
+      throw type_error(std::string(field) + ": expected the device of q (" + device_name(c.q) +
+                       "), got " + device_name(*a));
+  }
+}
+
+// float64 on the reference backend: the naive float64 backward on narrowed inputs.
+void reference64_backward(const call& c, const grads_call& g) {
+  narrowed n;
+  narrow_inputs(n, c);
+  const xt::xtensor<float, 4> d_o = narrow("do", g.d_o, c.blhd);
+  const strided<const float, 4> d_o_view = contiguous<const float, 4>(
+      d_o.data(), {std::int64_t(d_o.shape(0)), std::int64_t(d_o.shape(1)),
+                   std::int64_t(d_o.shape(2)), std::int64_t(d_o.shape(3))});
+  nb::gil_scoped_release unlocked;
+  const reference::golden_gradients gold = reference::naive_attention_backward(n.p, d_o_view);
+  widen_into("dq", gold.dq, g.dq, c.blhd);
+  widen_into("dk", gold.dk, g.dk, c.blhd);
+  widen_into("dv", gold.dv, g.dv, c.blhd);
+}
+
+// attention_backward(q, k, v, o, lse, do, dq, dk, dv, ...) -> the name of the backend that ran.
+const char* attention_backward_into(const array& q, const array& k, const array& v, const array& o,
+                                    const std::optional<array>& lse, const array& d_o,
+                                    const array& dq, const array& dk, const array& dv,
+                                    std::optional<double> scale, const std::string& causal,
+                                    std::int64_t window_left, std::int64_t window_right,
+                                    const std::optional<array>& block_mask, std::int64_t block_q,
+                                    std::int64_t block_k, const std::optional<array>& kv_len,
+                                    const std::string& backend_name, bool blhd) {
+  const call c{q,
+               k,
+               v,
+               o,
+               lse,
+               scale,
+               parse_causal(causal),
+               window_left,
+               window_right,
+               block_mask,
+               block_q,
+               block_k,
+               kv_len,
+               blhd};
+  expect_call(c);
+  const grads_call g{d_o, dq, dk, dv};
+  expect_grads(c, g);
+  const backend chosen = parse_backend(backend_name);
+  if (q.device_type() != kHost) {
+    throw type_error("q: expected host memory for the backward, got " + device_name(q) +
+                     " (no backend has a backward pass on device memory yet)");
+  }
+  if (chosen == backend::reference && is(q.dtype(), nb::dlpack::dtype_code::Float, 64)) {
+    reference64_backward(c, g);
+    return to_string(backend::reference);
+  }
+  const attention_problem p = host_problem(c);
+  attention_gradients grads;
+  for (const auto& [field, a] :
+       {std::pair{"do", &d_o}, std::pair{"dq", &dq}, std::pair{"dk", &dk}, std::pair{"dv", &dv}}) {
+    if (!is_float32(a->dtype()))
+      throw type_error(std::string(field) + ": expected dtype float32 in host memory, got " +
+                       dtype_name(a->dtype()));
+  }
+  grads.d_o.data = static_cast<const float*>(d_o.data());
+  grads.dq.data = static_cast<float*>(const_cast<void*>(dq.data()));
+  grads.dk.data = static_cast<float*>(const_cast<void*>(dk.data()));
+  grads.dv.data = static_cast<float*>(const_cast<void*>(dv.data()));
+  view4(grads.d_o, d_o, blhd);
+  view4(grads.dq, dq, blhd);
+  view4(grads.dk, dk, blhd);
+  view4(grads.dv, dv, blhd);
+  nb::gil_scoped_release unlocked;
+  return to_string(attention_backward(p, grads, chosen));
+}
+
 // For the binding's benchmark: the median time of `repeats` calls of the C++ entry
 // attention(problem, backend) on the problem attention_into would run (host memory only), timed
 // in C++, so that a Python timing of flashref.attention can be set against it.
@@ -574,11 +665,8 @@ std::vector<std::size_t> golden_o_shape(const reference::golden& g) {
           std::size_t(g.o_shape[3])};
 }
 
-// a holds C-contiguous float64 values (what the Python layer hands over).
-void expect_float64_contiguous(const char* field, const array& a) {
-  if (!is(a.dtype(), nb::dlpack::dtype_code::Float, 64) || a.device_type() != kHost)
-    throw type_error(std::string(field) + ": expected float64 in host memory, got " +
-                     dtype_name(a.dtype()) + " on " + device_name(a));
+// a is C-contiguous (what the Python layer hands over for judging).
+void expect_contiguous(const char* field, const array& a) {
   std::int64_t want = 1;
   for (std::size_t d = a.ndim(); d-- > 0;) {
     if (a.shape(d) > 1 && a.stride(d) != want)
@@ -587,11 +675,21 @@ void expect_float64_contiguous(const char* field, const array& a) {
   }
 }
 
+// a holds C-contiguous float64 values (what the Python layer hands over).
+void expect_float64_contiguous(const char* field, const array& a) {
+  if (!is(a.dtype(), nb::dlpack::dtype_code::Float, 64) || a.device_type() != kHost)
+    throw type_error(std::string(field) + ": expected float64 in host memory, got " +
+                     dtype_name(a.dtype()) + " on " + device_name(a));
+  expect_contiguous(field, a);
+}
+
 // The judge of `flashref check` on one result: o (and lse) as C-contiguous float64 arrays of
 // the golden shapes; o_dtype and lse_dtype say how the caller's result was stored.
 testdata::check_row check(const fixture_handle& h, const array& o, const std::optional<array>& lse,
-                          const std::string& o_dtype, const std::string& lse_dtype,
-                          const std::string& judged, std::size_t keep_worst) {
+                          const std::optional<array>& dq, const std::optional<array>& dk,
+                          const std::optional<array>& dv, const std::string& o_dtype,
+                          const std::string& lse_dtype, const std::string& judged,
+                          std::size_t keep_worst) {
   const reference::golden& g = h.fx.golden;
   const auto expect = [](const char* field, const array& a, const std::vector<std::size_t>& shape) {
     bool ok = a.ndim() == shape.size();
@@ -617,9 +715,30 @@ testdata::check_row check(const fixture_handle& h, const array& o, const std::op
   row.o_dtype = o_dtype;
   row.lse_dtype = lse ? lse_dtype : "";
   const double* lse_data = lse ? static_cast<const double*>(lse->data()) : nullptr;
+  // Gradients: C-contiguous float32 of the golden shapes (the Python layer converts).
+  testdata::judged_gradients grads;
+  const auto gradient = [&](const char* field, const std::optional<array>& x,
+                            const std::array<std::int64_t, 4>& shape) -> const float* {
+    if (!x) return nullptr;
+    if (!h.fx.grads)
+      throw problem_error(std::string(field) + ": expected no gradient (the fixture " + h.fx.name +
+                          " has no /golden/" + field + "), got one");
+    expect(field, *x,
+           {std::size_t(shape[0]), std::size_t(shape[1]), std::size_t(shape[2]),
+            std::size_t(shape[3])});
+    if (!is_float32(x->dtype()) || x->device_type() != kHost)
+      throw type_error(std::string(field) + ": expected float32 in host memory, got " +
+                       dtype_name(x->dtype()));
+    expect_contiguous(field, *x);
+    return static_cast<const float*>(x->data());
+  };
+  const std::array<std::int64_t, 4> none{};
+  grads.dq = gradient("dq", dq, h.fx.grads ? h.fx.grads->q_shape : none);
+  grads.dk = gradient("dk", dk, h.fx.grads ? h.fx.grads->k_shape : none);
+  grads.dv = gradient("dv", dv, h.fx.grads ? h.fx.grads->v_shape : none);
   nb::gil_scoped_release unlocked;
   testdata::judge(row, h.fx, {static_cast<const double*>(o.data()), lse_data, o.size()}, h.path,
-                  keep_worst);
+                  keep_worst, grads);
   return row;
 }
 
@@ -647,6 +766,12 @@ NB_MODULE(_core, m) {
         nb::arg("window_right"), nb::arg("block_mask").none(), nb::arg("block_q"),
         nb::arg("block_k"), nb::arg("kv_len").none(), nb::arg("backend"), nb::arg("blhd"),
         nb::arg("stream"));
+  m.def("attention_backward_into", &attention_backward_into, nb::arg("q"), nb::arg("k"),
+        nb::arg("v"), nb::arg("o"), nb::arg("lse").none(), nb::arg("do"), nb::arg("dq"),
+        nb::arg("dk"), nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"),
+        nb::arg("window_left"), nb::arg("window_right"), nb::arg("block_mask").none(),
+        nb::arg("block_q"), nb::arg("block_k"), nb::arg("kv_len").none(), nb::arg("backend"),
+        nb::arg("blhd"));
   m.def("entry_seconds", &entry_seconds, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
         nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("block_mask").none(), nb::arg("block_q"),
@@ -719,6 +844,17 @@ NB_MODULE(_core, m) {
         const std::vector<std::size_t> o_shape = golden_o_shape(h.fx.golden);
         d["o"] = numpy_view(h.fx.golden.o.data(), o_shape, self);
         d["lse"] = numpy_view(h.fx.golden.lse.data(), {o_shape[0], o_shape[1], o_shape[2]}, self);
+        if (h.fx.in.d_o.size() > 0) d["do"] = numpy_view(h.fx.in.d_o, self);
+        if (h.fx.grads) {
+          const reference::golden_gradients& g = *h.fx.grads;
+          const auto dims = [](const std::array<std::int64_t, 4>& x) {
+            return std::vector<std::size_t>{std::size_t(x[0]), std::size_t(x[1]), std::size_t(x[2]),
+                                            std::size_t(x[3])};
+          };
+          d["dq"] = numpy_view(g.dq.data(), dims(g.q_shape), self);
+          d["dk"] = numpy_view(g.dk.data(), dims(g.k_shape), self);
+          d["dv"] = numpy_view(g.dv.data(), dims(g.v_shape), self);
+        }
         if (h.fx.trace) {
           d["trace_m"] = numpy_view(h.fx.trace->m, self);
           d["trace_s"] = numpy_view(h.fx.trace->s, self);
@@ -759,10 +895,13 @@ NB_MODULE(_core, m) {
                      d["lse_judged"] = c.lse_judged;
                      return d;
                    })
+      .def_prop_ro("gradients_judged",
+                   [](const testdata::check_row& r) { return r.grads.judged(); })
       .def("table", [](const testdata::check_row& r) {
         const std::vector<testdata::check_row> rows{r};
         return testdata::check_table(rows) + testdata::tolerance_lines(rows);
       });
   m.def("check", &check, nb::arg("fixture"), nb::arg("o"), nb::arg("lse").none(),
-        nb::arg("o_dtype"), nb::arg("lse_dtype"), nb::arg("judged"), nb::arg("keep_worst"));
+        nb::arg("dq").none(), nb::arg("dk").none(), nb::arg("dv").none(), nb::arg("o_dtype"),
+        nb::arg("lse_dtype"), nb::arg("judged"), nb::arg("keep_worst"));
 }

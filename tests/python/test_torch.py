@@ -129,3 +129,65 @@ def test_half_tensors_on_the_cpu_say_who_takes_them():
         flashref.attention(q, q, q)
     assert str(e.value).startswith("q: expected dtype float32 in host memory, got bfloat16 "
                                    "(bfloat16 inputs: in device memory on ")
+
+
+def exact(shape, seed, requires_grad=True):
+    """float64 values on a 1/64 grid: float32 holds them, and them after a ±2^-12 step."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.round(torch.randn(shape, generator=g, dtype=torch.float64) * 32) / 64
+    return x.requires_grad_(requires_grad)
+
+
+MASK = torch.tensor([[[[1, 0], [1, 1]]]], dtype=torch.bool)  # (1, 1, 2, 2) over 4 x 3 blocks
+
+
+def masked(q, k, v, backend):
+    # Lq = 8 > Lk = 6, bottom-right causal: rows 0 and 1 see no key (their gradients are 0).
+    return flashref.torch.attention(q, k, v, causal="bottom_right", block_mask=MASK,
+                                    block_size=(4, 3), backend=backend)
+
+
+def test_gradcheck_float64_on_the_reference_backend():
+    q, k, v = exact((1, 2, 8, 4), 0), exact((1, 1, 6, 4), 1), exact((1, 1, 6, 3), 2)
+    assert torch.autograd.gradcheck(lambda q, k, v: masked(q, k, v, "reference"), (q, k, v),
+                                    eps=2.0**-12, atol=1e-5, rtol=1e-3)
+
+
+def test_autograd_on_the_cpu_meets_the_backward_tolerance():
+    ref = [exact(s, i) for i, s in enumerate([(1, 2, 8, 4), (1, 1, 6, 4), (1, 1, 6, 3)])]
+    cpu = [x.detach().float().requires_grad_() for x in ref]
+    do = torch.round(torch.randn(1, 2, 8, 3, generator=torch.Generator().manual_seed(5)) * 64) / 64
+    masked(*cpu, "cpu").backward(do)
+    masked(*ref, "reference").backward(do.double())
+    for name, got, want in zip("qkv", cpu, ref):
+        g, r = got.grad.double(), want.grad
+        allowed = 1e-4 * r.abs().max() + 1e-4 * r.abs()  # SPEC §9, float32 inputs
+        assert bool(((g - r).abs() <= allowed).all()), name
+    assert bool((cpu[0].grad[:, :, :2] == 0).all())  # the empty rows
+
+
+def test_autograd_under_torch_compile():
+    q, k, v = (torch.randn(1, 2, 32, 16, requires_grad=True) for _ in range(3))
+
+    def loss(q, k, v):
+        return flashref.torch.attention(q, k, v, causal="top_left").square().sum()
+
+    loss(q, k, v).backward()
+    eager = [x.grad.clone() for x in (q, k, v)]
+    for x in (q, k, v):
+        x.grad = None
+    torch.compile(loss, fullgraph=True)(q, k, v).backward()
+    for x, e in zip((q, k, v), eager):
+        torch.testing.assert_close(x.grad, e, rtol=1e-6, atol=1e-7)
+
+
+def test_backward_op_is_well_formed():
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    o, lse = flashref.attention(q, k, v, return_lse=True)
+    args = (q, k, v, o, lse, torch.randn_like(o), None, "none", -1, -1, None, 0, 0, None, "cpu",
+            False)
+    torch.library.opcheck(torch.ops.flashref.attention_backward.default, args,
+                          test_utils=("test_schema", "test_faketensor"))
+    fwd = (q.requires_grad_(), k, v, None, "none", -1, -1, None, 0, 0, None, "cpu", False)
+    torch.library.opcheck(torch.ops.flashref.attention.default, fwd,
+                          test_utils=("test_autograd_registration",))
