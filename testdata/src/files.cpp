@@ -25,7 +25,10 @@ void write_file_atomically(const fs::path& path, const std::function<void(const 
   }
   if (fs::is_directory(path, ec)) throw problem_error(name + ": expected a file, got a folder");
   // A unique name in the destination folder (rename is atomic only within one file system).
-  std::string tmpl = (dir / ("." + path.filename().string() + ".XXXXXX.tmp")).string();
+  std::string name_tmp = ".";  // appended, not "." + name: GCC 12 misreports -Wrestrict
+  name_tmp += path.filename().string();
+  name_tmp += ".XXXXXX.tmp";
+  std::string tmpl = (dir / name_tmp).string();
   const int fd = mkstemps(tmpl.data(), 4);
   if (fd < 0) {
     throw problem_error(name + ": expected a writable folder, got " + std::strerror(errno));
