@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -17,6 +18,7 @@
 #include "commands.hpp"
 #include "flashref/flashref.hpp"
 #include "flashref/reference/conformance.hpp"
+#include "flashref/testdata/check.hpp"
 #include "flashref/testdata/fixture.hpp"
 #include "io.hpp"
 
@@ -27,18 +29,25 @@ namespace {
 namespace fs = std::filesystem;
 namespace h5 = testdata::h5;
 using json = nlohmann::ordered_json;
+using testdata::check_row;
+using testdata::judge;
+using testdata::number;
+using testdata::verdict;
 
-constexpr double kLn2 = 0.69314718055994530942;
 // Failing rows kept per check for --json unless --rows says otherwise.
 constexpr std::size_t kDefaultWorstRows = 5;
-// A result's values look like half precision only when this many non-zero values all are.
-constexpr std::size_t kMinValuesForDtypeGuess = 16;
 
 struct run_options {
   std::string problem;
   std::string out;
   std::string backend = "automatic";
+  bool backward = false;  // also /dq, /dk, /dv from /inputs/do
 };
+
+std::string shape_str(const xt::xtensor<float, 4>& x) {
+  return "[" + std::to_string(x.shape(0)) + ", " + std::to_string(x.shape(1)) + ", " +
+         std::to_string(x.shape(2)) + ", " + std::to_string(x.shape(3)) + "]";
+}
 
 int run_problem(const run_options& opt) {
   const backend chosen = resolve(parse_backend(opt.backend));  // bad backend: before any I/O
@@ -49,13 +58,26 @@ int run_problem(const run_options& opt) {
   const std::string case_name =
       h5::has_attr(f, "/", "case") ? h5::read_string_attr(f, "/", "case") : "";
   const std::string digest = testdata::inputs_digest(in);
+  if (opt.backward && in.d_o.size() == 0 && in.q.shape(0) * in.q.shape(2) * in.v.shape(3) > 0) {
+    throw problem_error(opt.problem +
+                        ": /inputs/do: expected the upstream gradient for --backward, got nothing");
+  }
   const backend used = attention(in.problem(), chosen);
+  std::string used_names = to_string(used);
+  if (opt.backward) {  // the gradients of the forward just run, P from its own LSE
+    const backend used_bwd = attention_backward(in.problem(), in.gradients(), chosen);
+    if (used_bwd != used) used_names += std::string(" (backward ") + to_string(used_bwd) + ")";
+  }
   const auto& o = in.o;
   const auto& lse = in.lse;
-  testdata::write_result(opt.out, o, lse, to_string(used), case_name, digest);
-  std::printf("%s: wrote /o [%zu, %zu, %zu, %zu] and /lse [%zu, %zu, %zu] (float32, backend %s)\n",
-              opt.out.c_str(), o.shape(0), o.shape(1), o.shape(2), o.shape(3), lse.shape(0),
-              lse.shape(1), lse.shape(2), to_string(used));
+  testdata::write_result(opt.out, in, used_names, opt.backward, case_name, digest);
+  std::printf("%s: wrote /o %s and /lse [%zu, %zu, %zu]", opt.out.c_str(), shape_str(o).c_str(),
+              lse.shape(0), lse.shape(1), lse.shape(2));
+  if (opt.backward) {
+    std::printf(", /dq %s, /dk %s, /dv %s", shape_str(in.dq).c_str(), shape_str(in.dk).c_str(),
+                shape_str(in.dv).c_str());
+  }
+  std::printf(" (float32, backend %s)\n", used_names.c_str());
   return 0;
 }
 
@@ -69,173 +91,8 @@ struct check_options {
   std::size_t worst_rows = kDefaultWorstRows;  // failing rows per check in --json
 };
 
-enum class verdict { pass, fail, error };
-
-const char* to_string(verdict v) {
-  return v == verdict::pass ? "pass" : v == verdict::fail ? "fail" : "error";
-}
-
-// The judged result, flat and row-major: O (B, Hq, Lq, Dv) and LSE (B, Hq, Lq) or none.
-struct judged_values {
-  const double* o = nullptr;
-  const double* lse = nullptr;
-  std::size_t o_size = 0;
-};
-
-struct check_row {
-  std::string fixture;  // the case: file name without .h5
-  std::string judged;   // the backend, or "candidate"
-  std::string fixture_dtype;
-  std::string o_dtype, lse_dtype;  // how the judged result is stored ("" for no /lse)
-  tolerance tol;
-  double max_abs_v = 0;  // the fixture's max|V| (atol = its multiple)
-  conformance_report rep;
-  verdict v = verdict::error;
-  std::string message;             // why FAIL or ERROR
-  std::vector<std::string> hints;  // a convention slip recognised in a failing result
-};
-
-std::string index_of(const char* tensor, const failure_site& s) {
-  std::string r = std::string(tensor) + "[" + std::to_string(s.b) + ", " + std::to_string(s.h) +
-                  ", " + std::to_string(s.i);
-  if (s.d >= 0) r += ", " + std::to_string(s.d);
-  return r + "]";
-}
-
-// "O[b, h, i, d]" for an element of O, "LSE[b, h, i]" when the LSE is what fails.
-std::string site_name(const failure_site& s) {
-  return index_of(s.d >= 0 ? "O" : "LSE", s);
-}
-
-std::string number(double x) {
-  if (std::isnan(x)) return "nan";
-  if (std::isinf(x)) return x > 0 ? "+inf" : "-inf";
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.6g", x);
-  return buf;
-}
-
-std::string plural(std::int64_t n, const char* one, const char* many) {
-  return std::to_string(n) + " " + (n == 1 ? one : many);
-}
-
-std::string why_failed(const check_row& row, const reference::golden& g, const judged_values& x) {
-  const conformance_report& r = row.rep;
-  std::vector<std::string> parts;
-  const auto value_at = [&](const failure_site& s) {
-    const std::int64_t Hq = g.o_shape[1], Lq = g.o_shape[2], Dv = g.o_shape[3];
-    const std::int64_t at = (s.b * Hq + s.h) * Lq + s.i;
-    if (s.d >= 0) return std::pair{x.o[at * Dv + s.d], g.o[std::size_t(at * Dv + s.d)]};
-    return std::pair{x.lse != nullptr ? x.lse[at] : g.lse[std::size_t(at)], g.lse[std::size_t(at)]};
-  };
-  if (r.nan_rows > 0) {
-    parts.push_back(plural(r.nan_rows, "NaN row", "NaN rows") + ", first " +
-                    site_name(*r.first_nan));
-  }
-  if (r.inf_rows > 0) {
-    const auto [got, ref] = value_at(*r.first_inf);
-    parts.push_back(plural(r.inf_rows, "inf row", "inf rows") + ", first " +
-                    site_name(*r.first_inf) + " = " + number(got) + " (golden " + number(ref) +
-                    ")");
-  }
-  if (r.empty_rows_bad > 0) {
-    // How the empty rows fail: the choices other kernels make for rows that see no key.
-    std::string how;
-    auto detail = [&](std::int64_t n, const char* what) {
-      if (n > 0) how += (how.empty() ? "" : ", ") + std::to_string(n) + " " + what;
-    };
-    detail(r.empty_o_nan, "O NaN");
-    detail(r.empty_o_inf, "O inf");
-    detail(r.empty_o_nonzero, "O != 0");
-    detail(r.empty_lse_posinf, "LSE +inf");
-    detail(r.empty_lse_zero, "LSE 0");
-    detail(r.empty_lse_nan, "LSE NaN");
-    detail(r.empty_lse_finite, "LSE finite");
-    std::string s = std::to_string(r.empty_rows_bad) + "/" + std::to_string(r.empty_rows) +
-                    " empty rows not (0, -inf) [" + how + "]";
-    if (r.first_empty) {
-      const auto [got, ref] = value_at(*r.first_empty);
-      s += ", first " + site_name(*r.first_empty) + " = " + number(got);
-    }
-    parts.push_back(s);
-  }
-  if (r.bad_elements > 0) {
-    const auto [got, ref] = value_at(*r.first_wrong);
-    parts.push_back(plural(r.bad_elements, "value", "values") + " outside tolerance in " +
-                    plural(r.wrong_rows, "row", "rows") + ", first " + site_name(*r.first_wrong) +
-                    " = " + number(got) + " (golden " + number(ref) + ")");
-  }
-  if (!r.lse_judged) parts.push_back("no /lse: O judged alone");
-  std::string s;
-  for (const std::string& p : parts)
-    s += (s.empty() ? "" : "; ") + p;
-  for (const std::string& h : row.hints)
-    s += "; " + h;
-  return s;
-}
-
-// The two convention slips seen in other kernels' results, said in words when they explain a
-// failure: an LSE in base 2, and O or LSE stored in half precision on a float32 fixture.
-std::vector<std::string> recognise_slips(const check_row& row, const testdata::fixture& fx,
-                                         const judged_values& x, const fs::path& fixture_file) {
-  std::vector<std::string> hints;
-  const conformance_report& r = row.rep;
-  if (x.lse != nullptr && r.lse_err_ratio > 1.0) {
-    std::vector<double> natural(x.lse, x.lse + fx.golden.lse.size());
-    for (double& l : natural)
-      l *= kLn2;  // log2(s) * ln 2 = ln(s); -inf stays -inf
-    const conformance_report as_base2 =
-        compare(fx.golden, x.o, natural.data(), fx.tol, std::size_t(0));
-    if (as_base2.lse_err_ratio <= 1.0) {
-      hints.push_back(
-          "the LSE looks like base 2 (lse * ln 2 meets the tolerance): the contract's "
-          "LSE is the natural log");
-    }
-  }
-  if (fx.in.opt.dtype != input_dtype::float32 || r.bad_elements == 0) return hints;
-  const auto half_values = [&](const double* v, std::size_t n) -> std::string {
-    for (const input_dtype t : {input_dtype::bfloat16, input_dtype::float16}) {
-      std::size_t nonzero = 0;
-      bool all = true;
-      for (std::size_t i = 0; i < n && all; ++i) {
-        if (!std::isfinite(v[i]) || v[i] == 0.0) continue;
-        ++nonzero;
-        const float f = float(v[i]);
-        all = double(f) == v[i] && testdata::round_to(t, f) == f;
-      }
-      if (all && nonzero >= kMinValuesForDtypeGuess) return to_string(t);
-    }
-    return "";
-  };
-  std::string stored;
-  for (const auto& [name, dtype, values, n] :
-       {std::tuple{"/o", row.o_dtype, x.o, x.o_size},
-        std::tuple{"/lse", row.lse_dtype, x.lse, x.lse ? fx.golden.lse.size() : 0}}) {
-    if (values == nullptr) continue;
-    std::string half = dtype == "float16" || dtype == "bfloat16" ? dtype : "";
-    if (half.empty()) half = half_values(values, n);
-    if (!half.empty()) stored += std::string(stored.empty() ? "" : " and ") + name + " in " + half;
-  }
-  if (!stored.empty()) {
-    std::string twin;
-    for (const char* suffix : {"_bf16", "_fp16"}) {
-      const fs::path t = fixture_file.parent_path() / (fx.name + suffix + ".h5");
-      if (fs::exists(t)) twin += (twin.empty() ? "" : " or ") + t.stem().string();
-    }
-    hints.push_back("half-precision storage (" + stored +
-                    ") cannot meet a float32 fixture's tolerance: store float32, or judge a "
-                    "half-precision kernel on " +
-                    (twin.empty() ? std::string("a half-precision fixture") : twin));
-  }
-  return hints;
-}
-
-void judge(check_row& row, const testdata::fixture& fx, const judged_values& x,
-           const fs::path& fixture_file, std::size_t keep_worst) {
-  row.rep = compare(fx.golden, x.o, x.lse, fx.tol, keep_worst);
-  row.v = row.rep.pass() ? verdict::pass : verdict::fail;
-  if (row.v == verdict::fail) row.hints = recognise_slips(row, fx, x, fixture_file);
-  if (row.v == verdict::fail || !row.rep.lse_judged) row.message = why_failed(row, fx.golden, x);
+std::vector<float> as_floats(const std::optional<xt::xtensor<double, 4>>& x) {
+  return x ? std::vector<float>(x->begin(), x->end()) : std::vector<float>{};
 }
 
 std::vector<fs::path> fixtures_in(const fs::path& target, const std::vector<std::string>& only) {
@@ -286,78 +143,6 @@ void check_json_path(const std::string& path) {
       "--json: expected a file in an existing, writable folder (or - for standard "
       "output), got " +
       got + " at " + path);
-}
-
-std::string dtype_cell(const check_row& r) {
-  if (r.v == verdict::error && r.o_dtype.empty()) return "-";
-  if (r.lse_dtype == r.o_dtype) return r.o_dtype;
-  return r.o_dtype + "/" + (r.lse_dtype.empty() ? "-" : r.lse_dtype);
-}
-
-std::string ratio_cell(double x, bool judged) {
-  if (!judged) return "-";
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.3g", x);
-  return buf;
-}
-
-void print_table(const std::vector<check_row>& rows) {
-  std::size_t w = 4;
-  for (const check_row& r : rows)
-    w = std::max(w, r.fixture.size());
-  const int cw = int(w);
-  std::printf("%-*s %-9s %-15s %9s %11s %5s %5s %6s %9s  %s\n", cw, "case", "judged", "dtype",
-              "O err/tol", "LSE err/tol", "NaN", "inf", "wrong", "empty ok", "verdict");
-  for (const check_row& r : rows) {
-    if (r.v == verdict::error) {
-      std::printf("%-*s %-9s %-15s %9s %11s %5s %5s %6s %9s  ERROR\n", cw, r.fixture.c_str(),
-                  r.judged.c_str(), dtype_cell(r).c_str(), "-", "-", "-", "-", "-", "-");
-      continue;
-    }
-    const conformance_report& c = r.rep;
-    const std::string empty =
-        std::to_string(c.empty_rows - c.empty_rows_bad) + "/" + std::to_string(c.empty_rows);
-    std::printf("%-*s %-9s %-15s %9s %11s %5lld %5lld %6lld %9s  %s%s%s\n", cw, r.fixture.c_str(),
-                r.judged.c_str(), dtype_cell(r).c_str(), ratio_cell(c.o_err_ratio, true).c_str(),
-                ratio_cell(c.lse_err_ratio, c.lse_judged).c_str(), (long long)c.nan_rows,
-                (long long)c.inf_rows, (long long)c.wrong_rows, empty.c_str(),
-                r.v == verdict::pass ? "PASS" : "FAIL", r.message.empty() ? "" : ": ",
-                r.message.c_str());
-  }
-}
-
-// The rule and the tolerances the table applied, one line per input dtype of the fixtures.
-void print_tolerances(const std::vector<check_row>& rows) {
-  struct group {
-    double atol_per_v = 0, rtol = 0, atol_lse = 0, atol_min = INFINITY, atol_max = 0;
-    std::size_t n = 0;
-  };
-  std::map<std::string, group> groups;
-  for (const check_row& r : rows) {
-    if (r.fixture_dtype.empty()) continue;
-    group& g = groups[r.fixture_dtype];
-    g.atol_per_v = r.tol.atol / std::max(r.max_abs_v, 1e-30);
-    g.rtol = r.tol.rtol;
-    g.atol_lse = r.tol.atol_lse;
-    g.atol_min = std::min(g.atol_min, r.tol.atol);
-    g.atol_max = std::max(g.atol_max, r.tol.atol);
-    ++g.n;
-  }
-  if (groups.empty()) return;
-  std::printf(
-      "\ntolerances (each fixture's own): |o - ref| <= atol + rtol * |ref|, "
-      "|lse - ref| <= atol_lse * max(1, |ref|)\n");
-  for (const auto& [dtype, g] : groups) {
-    const std::string atol = g.atol_min == g.atol_max
-                                 ? number(g.atol_min)
-                                 : number(g.atol_min) + " .. " + number(g.atol_max);
-    std::printf("  %-8s inputs: atol = %s * max|V| = %s, rtol = %s, atol_lse = %s\n", dtype.c_str(),
-                number(g.atol_per_v).c_str(), atol.c_str(), number(g.rtol).c_str(),
-                number(g.atol_lse).c_str());
-  }
-  std::printf(
-      "O err/tol, LSE err/tol: the largest error over what the rule allows there "
-      "(<= 1 passes)\n");
 }
 
 // Numbers for JSON: NaN and ±inf as the strings "nan", "+inf", "-inf" (JSON has no such
@@ -428,6 +213,19 @@ json row_json(const check_row& r) {
   }
   j["worst"] = worst;
   j["hints"] = r.hints;
+  j["gradients_judged"] = r.grads.judged();
+  for (auto [name, g] : {std::pair{"dq", &r.grads.dq}, {"dk", &r.grads.dk}, {"dv", &r.grads.dv}}) {
+    if (!g->has_value()) continue;
+    const gradient_report& x = **g;
+    j["gradients"][name] = {{"pass", x.pass()},
+                            {"bad_elements", x.bad_elements},
+                            {"nonfinite", x.nonfinite},
+                            {"max_abs_err", num(x.max_abs_err)},
+                            {"max_ref", num(x.max_ref)},
+                            {"zero_rows", x.zero_rows},
+                            {"zero_rows_nan", x.zero_rows_nan},
+                            {"zero_rows_nonzero", x.zero_rows_nonzero}};
+  }
   return j;
 }
 
@@ -481,12 +279,7 @@ int run_check(const check_options& opt) {
       errors.push_back(e.what());
       continue;
     }
-    check_row base;
-    base.fixture = stem;
-    base.fixture_dtype = to_string(fx.in.opt.dtype);
-    base.tol = fx.tol;
-    for (float x : fx.in.v)
-      base.max_abs_v = std::max(base.max_abs_v, double(std::abs(x)));
+    const check_row base = testdata::row_for(fx, stem);
     if (!opt.candidate.empty()) {
       check_row row = base;
       row.judged = "candidate";
@@ -509,9 +302,12 @@ int run_check(const check_options& opt) {
                                 ": a result of other inputs");
           }
         }
-        const testdata::result r = testdata::read_result(cand, fx.golden);
+        const testdata::result r =
+            testdata::read_result(cand, fx.golden, fx.grads ? &*fx.grads : nullptr);
+        const std::vector<float> dq = as_floats(r.dq), dk = as_floats(r.dk), dv = as_floats(r.dv);
         judge(row, fx, {r.o.data(), r.has_lse ? r.lse.data() : nullptr, r.o.size()}, file,
-              opt.worst_rows);
+              opt.worst_rows,
+              {r.dq ? dq.data() : nullptr, r.dk ? dk.data() : nullptr, r.dv ? dv.data() : nullptr});
       } catch (const problem_error& e) {
         row.v = verdict::error;
         row.message = e.what();
@@ -529,7 +325,17 @@ int run_check(const check_options& opt) {
         row.o_dtype = row.lse_dtype = "float32";
         const xt::xtensor<double, 4> o64 = xt::cast<double>(d.o);
         const xt::xtensor<double, 3> lse64 = xt::cast<double>(d.lse);
-        judge(row, fx, {o64.data(), lse64.data(), o64.size()}, file, opt.worst_rows);
+        bool has_backward = false;
+        for (const backend_info& info : backends())
+          has_backward = has_backward || (info.id == be && info.backward);
+        if (fx.grads && has_backward) {  // the backward too, from the forward just run
+          attention_backward(d.problem(), d.gradients(), be);
+          // Stored [B, H, L, X] as the fixture's golden gradients: row-major already.
+          judge(row, fx, {o64.data(), lse64.data(), o64.size()}, file, opt.worst_rows,
+                {d.dq.data(), d.dk.data(), d.dv.data()});
+        } else {
+          judge(row, fx, {o64.data(), lse64.data(), o64.size()}, file, opt.worst_rows);
+        }
       } catch (const problem_error& e) {  // e.g. a head dim this backend does not support
         row.v = verdict::error;
         row.message = std::string(to_string(be)) + " on " + name + ": " + e.what();
@@ -565,8 +371,8 @@ int run_check(const check_options& opt) {
   const bool json_stdout = opt.json == "-";
   if (!json_stdout) {  // with --json -, standard output carries the JSON alone
     if (!opt.candidate.empty()) std::printf("candidate: %s\n", opt.candidate.c_str());
-    print_table(rows);
-    print_tolerances(rows);
+    std::fputs(testdata::check_table(rows).c_str(), stdout);
+    std::fputs(testdata::tolerance_lines(rows).c_str(), stdout);
     std::printf("\n%zu check%s: %lld pass, %lld fail, %lld could not be run", rows.size(),
                 rows.size() == 1 ? "" : "s", (long long)n_pass, (long long)n_fail,
                 (long long)n_error);
@@ -615,12 +421,16 @@ int run_check(const check_options& opt) {
 void add_run(CLI::App& app, exit_slot status) {
   auto opt = std::make_shared<run_options>();
   CLI::App* cmd = app.add_subcommand(
-      "run", "Compute /o and /lse (float32) of a problem file and write them atomically");
+      "run",
+      "Compute /o and /lse (float32) of a problem file, with --backward also /dq, /dk, /dv, and "
+      "write them atomically");
   cmd->add_option("--problem", opt->problem, "Problem file (the fixture layout, /golden optional)")
       ->required();
   cmd->add_option("--out", opt->out, "Result file to write")->required();
   cmd->add_option("--backend", opt->backend, "reference, cpu, cuda or automatic")
       ->capture_default_str();
+  cmd->add_flag("--backward", opt->backward,
+                "Also the backward pass: needs /inputs/do, writes /dq, /dk, /dv (float32)");
   cmd->callback([opt, status] { *status = run_problem(*opt); });
 }
 

@@ -25,8 +25,11 @@ namespace flashref::cpu {
 namespace {
 
 using detail::context;
+using detail::denormals_as_zero;
+using detail::free_deleter;
 using detail::kernel_table;
 using detail::out_rows;
+using detail::table_of;
 using detail::thread_workspace;
 using detail::work_item;
 
@@ -40,21 +43,6 @@ constexpr std::int64_t kMaxTile = 4096;       // largest tile_q / tile_k accepte
 
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
   return (a + b - 1) / b;
-}
-
-const kernel_table* table_of(isa i) {
-  switch (i) {
-    case isa::portable:
-      return &detail::portable_kernels();
-#if defined(FLASHREF_CPU_X86)
-    case isa::avx2:
-      return &detail::avx2_kernels();
-    case isa::avx512:
-      return &detail::avx512_kernels();
-#endif
-    default:
-      return nullptr;
-  }
 }
 
 // The kernels of a half path: nullptr for convert (the instruction set's own kernels).
@@ -117,28 +105,26 @@ std::string supported_list() {
   fail("isa", expected, got);
 }
 
-struct free_deleter {
-  void operator()(float* p) const { std::free(p); }
-};
-
-// Flush denormals to zero inside the kernels (and restore the caller's mode): a denormal
-// product p * v costs a microcode assist on many processors and is below every tolerance.
-class denormals_as_zero {
- public:
-#if defined(FLASHREF_CPU_X86)
-  denormals_as_zero() : saved_(_mm_getcsr()) {
-    _mm_setcsr(saved_ | 0x8040u);
-  }  // FTZ | DAZ
-  ~denormals_as_zero() {
-    _mm_setcsr(saved_);
-  }
-
- private:
-  unsigned saved_;
-#endif
-};
-
 }  // namespace
+
+namespace detail {
+
+const kernel_table* table_of(isa i) {
+  switch (i) {
+    case isa::portable:
+      return &portable_kernels();
+#if defined(FLASHREF_CPU_X86)
+    case isa::avx2:
+      return &avx2_kernels();
+    case isa::avx512:
+      return &avx512_kernels();
+#endif
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace detail
 
 const char* to_string(isa i) {
   switch (i) {

@@ -161,8 +161,16 @@ struct dot {
 }  // namespace
 
 const kernel_table& table() {
-  static const kernel_table t{isa::avx512,           W,        vec::kTileQ, vec::kTileK,
-                              bf16_workspace_floats, run_bf16, prepack,     fma_loop};
+  static const kernel_table t{isa::avx512,
+                              W,
+                              vec::kTileQ,
+                              vec::kTileK,
+                              bf16_workspace_floats,
+                              run_bf16,
+                              prepack,
+                              fma_loop,
+                              /*backward_workspace_floats=*/nullptr,
+                              /*run_backward=*/nullptr};
   return t;
 }
 
