@@ -301,7 +301,10 @@ void run(const attention_problem& p, const storage_of& st, const options& opt) {
   ctx.q = st.q;
   ctx.k = st.k;
   ctx.v = st.v;
-  ctx.bf16_dot = pl.half == half_path::avx512_bf16 || pl.half == half_path::amx;
+  // Only tiles of more than a few rows take the bf16 kernel (decode rows the fp32 row kernel):
+  // when no item has them, K and V are not packed for it.
+  ctx.bf16_dot = (pl.half == half_path::avx512_bf16 || pl.half == half_path::amx) &&
+                 std::min(Lq, pl.tile_q) > detail::kRowKernelMaxRows;
   ctx.mask = make_mask_spec(p);
   ctx.scale = float(p.softmax_scale());
   ctx.Lq = Lq;

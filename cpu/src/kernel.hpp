@@ -42,6 +42,9 @@ struct f16_bits {
   std::uint16_t bits;
 };
 
+// Work items of at most this many query rows take the row kernel (lanes over the head dim).
+constexpr std::int64_t kRowKernelMaxRows = 4;
+
 // The bf16 kernels' granules: keys and head-dim elements per step (an AMX tile row of 32
 // bfloat16), and result rows per AMX tile.
 constexpr std::int64_t kDotK = 32;
