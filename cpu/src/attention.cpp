@@ -16,6 +16,7 @@
 #include <xmmintrin.h>
 #endif
 
+#include "flashref/reference/limits.hpp"
 #include "flashref/reference/merge.hpp"
 #include "kernel.hpp"
 
@@ -213,6 +214,10 @@ void attention(const attention_problem& p, const options& opt) {
   // shapes split, so this stays small.
   std::vector<float> part_o, part_lse;
   if (splits > 1) {
+    check_allocation("cpu: split-KV partial results",
+                     checked_product({std::uint64_t(splits), std::uint64_t(B), std::uint64_t(Hq),
+                                      std::uint64_t(Lq), std::uint64_t(Dv) + 1, sizeof(float)}),
+                     std::to_string(splits) + " key chunks of O and LSE");
     part_o.resize(std::size_t(splits * B * Hq * Lq * Dv));
     part_lse.resize(std::size_t(splits * B * Hq * Lq));
   }

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <limits>
 
+#include "flashref/reference/limits.hpp"
+
 namespace flashref::reference {
 
 namespace {
@@ -35,6 +37,13 @@ golden naive_attention(const attention_problem& p) {
   const double scale = p.softmax_scale();
   const double kInf = std::numeric_limits<double>::infinity();
 
+  // Golden O and LSE in float64, and one row's scores and visibility: checked before allocated.
+  const auto o_lse = checked_product(
+      {std::uint64_t(B), std::uint64_t(Hq), std::uint64_t(Lq), std::uint64_t(Dv) + 1, 8});
+  const auto scores = checked_product({std::uint64_t(Lk), 9});
+  check_allocation("reference: golden O and LSE",
+                   o_lse && scores ? checked_sum({*o_lse, *scores}) : std::nullopt,
+                   "float64 O (B, Hq, Lq, Dv), LSE (B, Hq, Lq) and a row of Lk scores");
   golden g;
   g.o_shape = {B, Hq, Lq, Dv};
   g.o.assign(std::size_t(B * Hq * Lq * Dv), 0.0);

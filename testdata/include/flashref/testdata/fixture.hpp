@@ -65,6 +65,7 @@ struct fixture {
 // Reads a fixture: a problem file plus every fixture attribute and /golden (and /trace when
 // present), shapes checked against the inputs.
 fixture read_fixture(const std::filesystem::path& path);
+fixture read_fixture(const h5::file& f);
 // Writes a fixture atomically (temporary file in the same folder, then rename).
 void write_fixture(const std::filesystem::path& path, const fixture& fx);
 
@@ -96,6 +97,7 @@ struct result_info {
   std::string lse_dtype;                     // of /lse; empty when the file has none
 };
 result_info read_result_info(const std::filesystem::path& path);
+result_info read_result_info(const h5::file& f);
 
 // A result file: O and LSE of some kernel on a problem.
 struct result {
@@ -107,6 +109,7 @@ struct result {
 // Reads /o and /lse of any HDF5 float type; their shapes must be those of the golden result.
 // /lse is optional (not every kernel exposes it): without it only O can be judged.
 result read_result(const std::filesystem::path& path, const reference::golden& golden);
+result read_result(const h5::file& f, const reference::golden& golden);
 // Writes /o and /lse as float32 atomically; `backend` is recorded as a root attribute, and so
 // are `case_name` and `digest` (inputs_digest) when not empty.
 void write_result(const std::filesystem::path& path, const xt::xtensor<float, 4>& o,
