@@ -38,8 +38,9 @@ constexpr std::int64_t kMinItems = 128;       // aim for at least this many work
 constexpr std::int64_t kMinChunkKeys = 1024;  // never cut the keys finer than this
 constexpr std::int64_t kMaxTile = 4096;       // largest tile_q / tile_k accepted
 
+// ceil(a / b) for a >= 0, b > 0, without forming a + b - 1 (b may be as large as 2^63 - 1).
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
-  return (a + b - 1) / b;
+  return a == 0 ? 0 : (a - 1) / b + 1;
 }
 
 const kernel_table* table_of(isa i) {
@@ -179,6 +180,7 @@ plan make_plan(const attention_problem& p, const options& opt) {
   } else if (items > 0 && items < kMinItems && Lk >= 2 * kMinChunkKeys) {
     chunk = std::max(kMinChunkKeys, ceil_div(Lk, ceil_div(kMinItems, items)));
   }
+  chunk = std::min(chunk, Lk);                     // a chunk beyond the keys is no split
   chunk = ceil_div(chunk, pl.tile_k) * pl.tile_k;  // chunks hold whole tiles
   pl.kv_splits = Lk > 0 && chunk < Lk ? ceil_div(Lk, chunk) : 1;
   pl.kv_chunk = pl.kv_splits > 1 ? chunk : Lk;

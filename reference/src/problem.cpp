@@ -82,8 +82,9 @@ void check_shape(const char* name, const strided<T, R>& v, std::array<std::int64
   }
 }
 
+// ceil(a / b) for a >= 0, b > 0, without forming a + b - 1 (b may be as large as 2^63 - 1).
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
-  return (a + b - 1) / b;
+  return a == 0 ? 0 : (a - 1) / b + 1;
 }
 
 }  // namespace

@@ -34,6 +34,14 @@ TEST_CASE("validation names the field, the expected and the actual value", "[val
     REQUIRE_THROWS_WITH(flashref::validate(p),
                         "block_mask: expected shape [2, 4, 16, 16], got [3, 4, 16, 16]");
   }
+  SECTION("block sizes near 2^63 (found by fuzzing: ceil_div overflowed)") {
+    p.block_q = std::numeric_limits<std::int64_t>::max();
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        "block_mask: expected shape [2, 4, 1, 16], got [2, 4, 16, 16]");
+    p.block_q = 4, p.block_k = std::numeric_limits<std::int64_t>::max() - 1;
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        "block_mask: expected shape [2, 4, 16, 1], got [2, 4, 16, 16]");
+  }
   SECTION("block sizes") {
     p.block_q = 0;
     REQUIRE_THROWS_WITH(flashref::validate(p), "block_q: expected a positive block size, got 0");
