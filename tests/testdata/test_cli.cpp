@@ -622,8 +622,8 @@ TEST_CASE("cli: bad input is one line on stderr, exit status 2, and no output fi
     REQUIRE(cli("run --problem " + fixture_path("spec_random") + to_out).rc == 0);
     std::filesystem::remove(out);
     const outcome big =
-        cli("run --problem " + fixture_path("spec_random") + to_out, "FLASHREF_MEMORY_LIMIT=1K");
-    require_bad_input(big, "spec_random.h5: the problem's storage: expected at most 1024 bytes");
+        cli("run --problem " + fixture_path("spec_random") + to_out, "FLASHREF_MEMORY_LIMIT=100");
+    require_bad_input(big, "spec_random.h5: the problem's storage: expected at most 100 bytes");
     CHECK_THAT(big.err, Contains("(FLASHREF_MEMORY_LIMIT), got "));
     no_output();
   }
