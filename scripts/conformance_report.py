@@ -11,6 +11,9 @@ Two steps, so that the table is a pure function of the measurements:
           it, with the `case` attribute), judges it with `flashref check --candidate --json -`,
           judges flashref's own backends the same way, and writes OUT/conformance.json; then
           renders it.
+          The backward (SPEC §9): on the fixtures with /inputs/do, PyTorch autograd of
+          sum(O * dO) through the SDPA backends and FlexAttention gives dQ, dK, dV, written as
+          /dq, /dk, /dv beside /o and judged the same way (--no-backward skips it).
   render  writes the Markdown tables from a conformance.json alone (no GPU, no PyTorch): the
           same JSON gives the same page, byte for byte.
 
@@ -228,13 +231,103 @@ IMPLS = [
 ]
 
 
-def write_candidate(path, case, name, o, lse):
+# ---- the backward (SPEC §9): autograd of sum(O * dO) through each implementation -------------
+
+
+def has_backward(path):
+    import h5py
+    with h5py.File(path, "r") as f:
+        return "inputs/do" in f and "golden/dq" in f
+
+
+def load_do(path):
+    import h5py
+    import numpy as np
+    with h5py.File(path, "r") as f:
+        return f["inputs/do"][...].astype(np.float32)
+
+
+def autograd(c, dtype, d_o, forward, device="cuda"):
+    """dQ, dK, dV of sum(O * dO) through `forward(q, k, v) -> (O, LSE or None)`; without GQA
+    support the key/value heads are repeated inside the graph, so dK, dV come back summed over
+    each group as SPEC §9 defines them."""
+    import torch
+    q, k, v = (t.detach().requires_grad_(True) for t in tensors(c, device, dtype))
+    o, lse = forward(q, k, v)
+    (o * torch.from_numpy(d_o).to(device=device, dtype=o.dtype)).sum().backward()
+    return o, lse, q.grad, k.grad, v.grad
+
+
+def sdpa_grad(backend_name):
+    def run(c, dtype, d_o):
+        import torch.nn.functional as F
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        import torch
+        causal = causal_flag(c) if backend_name == "FLASH_ATTENTION" else False
+        mask = None
+        if backend_name != "FLASH_ATTENTION" and not c["unmasked"]:
+            mask = torch.from_numpy(c["vis"]).cuda()
+
+        def forward(q, k, v):
+            with sdpa_kernel(getattr(SDPBackend, backend_name)):
+                o = F.scaled_dot_product_attention(q, expand_kv(c, k), expand_kv(c, v),
+                                                   attn_mask=mask, is_causal=causal,
+                                                   scale=c["scale"])
+            return o, None
+        return autograd(c, dtype, d_o, forward)
+    return run
+
+
+def flex_grad(compiled):
+    def run(c, dtype, d_o):
+        global _flex_compiled
+        import torch
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        fn = flex_attention
+        if compiled:
+            if _flex_compiled is None:
+                _flex_compiled = torch.compile(flex_attention)
+            fn = _flex_compiled
+        vis = torch.from_numpy(c["vis"]).cuda()
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            return vis[b, h, q_idx, kv_idx]
+
+        bm = create_block_mask(mask_mod, c["B"], c["Hq"], c["Lq"], c["Lk"], device="cuda",
+                               _compile=compiled)
+
+        def forward(q, k, v):
+            return fn(q, k, v, block_mask=bm, scale=c["scale"], enable_gqa=c["Hq"] != c["Hk"],
+                      return_lse=True)
+        return autograd(c, dtype, d_o, forward)
+    return run
+
+
+# The backward's implementations: name, dtype it computes in, function, description; run on
+# the fixtures that carry /inputs/do, chosen by dtype as for the forward.
+BWD_IMPLS = [
+    ("sdpa-math", "float32", sdpa_grad("MATH"), "autograd, SDPA math backend (CUDA)"),
+    ("sdpa-efficient", "float32", sdpa_grad("EFFICIENT_ATTENTION"),
+     "autograd, SDPA memory-efficient backend (CUDA)"),
+    ("flex-eager", "float32", flex_grad(False), "autograd, FlexAttention eager"),
+    ("sdpa-flash-bf16", "bfloat16", sdpa_grad("FLASH_ATTENTION"),
+     "autograd, SDPA flash backend (CUDA; no mask but causal)"),
+    ("sdpa-cudnn-bf16", "bfloat16", sdpa_grad("CUDNN_ATTENTION"), "autograd, SDPA cuDNN backend"),
+    ("flex-eager-bf16", "bfloat16", flex_grad(False), "autograd, FlexAttention eager"),
+    ("flex-compiled", "float32", flex_grad(True), "autograd, FlexAttention torch.compile"),
+]
+
+
+def write_candidate(path, case, name, o, lse, grads=()):
     import h5py
     tmp = path + ".tmp"
     with h5py.File(tmp, "w") as f:
         f["o"] = o.detach().float().cpu().numpy()
         if lse is not None:
             f["lse"] = lse.detach().float().cpu().numpy()
+        for key, g in zip(("dq", "dk", "dv"), grads):
+            if g is not None:
+                f[key] = g.detach().float().cpu().numpy()
         f.attrs["case"] = case  # check refuses it against any other fixture
         f.attrs["backend"] = name
     os.replace(tmp, path)
@@ -331,6 +424,41 @@ def run(args):
                 cell.update(status="judged", check=row)
         print(f"{name}: done ({time.time() - start:.0f} s)", flush=True)
 
+    # The backward: the same selection of fixtures, those that carry /inputs/do.
+    bwd_impls, bwd_cells = [], []
+    for name, dtype, fn, what in ([] if args.no_backward else BWD_IMPLS):
+        if args.only and name not in args.only:
+            continue
+        bwd_impls.append({"name": name, "dtype": dtype, "what": what})
+        for case in runs_on(dtype):
+            path = os.path.join(args.fixtures, case + ".h5")
+            if not has_backward(path):
+                continue
+            _, _, twin = fixtures[case]
+            cell = {"implementation": name, "fixture": case, "family": family_of(case, twin, dtype)}
+            bwd_cells.append(cell)
+            if time.time() - start > args.budget_s:
+                cell.update(status="not run", reason="time budget")
+                continue
+            cand = os.path.join(args.candidates, f"bwd__{name}__{case}.h5")
+            try:
+                o, lse, dq, dk, dv = fn(load_case(path), torch_dtype(dtype), load_do(path))
+                torch.cuda.synchronize()
+                write_candidate(cand, case, name, o, lse, (dq, dk, dv))
+            except Unsupported as e:
+                cell.update(status="unsupported", reason=str(e))
+                continue
+            except Exception as e:
+                msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                cell.update(status="unsupported", reason=f"{type(e).__name__}: {msg[:90]}")
+                continue
+            row, error = check(args.flashref, path, "--candidate", cand)
+            if row is None:
+                cell.update(status="check error", reason=error)
+            else:
+                cell.update(status="judged", check=row)
+        print(f"{name} backward: done ({time.time() - start:.0f} s)", flush=True)
+
     for be in args.ours:  # our own backends, judged by the same rule, in each dtype they take
         for dtype in ("float32", "bfloat16", "float16"):
             if dtype != "float32" and be != "cuda":
@@ -354,6 +482,8 @@ def run(args):
 
     report = {"format": FORMAT, "environment": environment(), "implementations": impls,
               "cells": cells}
+    if bwd_impls:
+        report["backward"] = {"implementations": bwd_impls, "cells": bwd_cells}
     path = os.path.join(args.out, "conformance.json")
     with open(path + ".tmp", "w") as f:
         json.dump(report, f, indent=1, sort_keys=True)
@@ -393,7 +523,18 @@ def cell_text(cell):
     return "FAIL: " + "; ".join(how)
 
 
-def table(report, dtypes, families):
+def backward_cell_text(cell):
+    """The gradients' verdict: which tensors `flashref check` judged and how they failed."""
+    if cell["status"] != "judged":
+        return cell_text(cell)
+    row = cell["check"]
+    judged = row.get("gradients_judged", "-")
+    if row["verdict"] == "pass":
+        return f"pass ({judged})"
+    return f"FAIL ({judged}): " + row["message"][:200]
+
+
+def table(report, dtypes, families, text=cell_text):
     impls = [i["name"] for i in report["implementations"] if i["dtype"] in dtypes]
     cells = {(c["family"], c["implementation"]): c for c in report["cells"]}
     rows = sorted({c["family"] for c in report["cells"] if c["implementation"] in impls
@@ -402,11 +543,11 @@ def table(report, dtypes, families):
         return [], {}
     lines = ["| case | " + " | ".join(impls) + " |", "| --- |" + " --- |" * len(impls)]
     for fam in rows:
-        texts = [cell_text(cells[(fam, n)]) if (fam, n) in cells else "" for n in impls]
+        texts = [text(cells[(fam, n)]) if (fam, n) in cells else "" for n in impls]
         lines.append(f"| {fam} | " + " | ".join(texts) + " |")
     counts = {}
     for n in impls:
-        texts = [cell_text(cells[(f, n)]) for f in rows if (f, n) in cells]
+        texts = [text(cells[(f, n)]) for f in rows if (f, n) in cells]
         npass = sum(t.startswith("pass") for t in texts)
         nfail = sum(t.startswith("FAIL") for t in texts)
         counts[n] = (npass, nfail, len(texts) - npass - nfail)
@@ -452,9 +593,24 @@ def render(report):
         lines += ["", "### Half-precision implementations on the bfloat16 / float16 twins", "",
                   "A row names the float32 case; each cell judges its twin in the column's dtype",
                   "(`half_inputs`: `half_inputs_bf16` or `half_inputs_fp16`).", ""] + half
+    bwd_counts = {}
+    if "backward" in report:  # absent from reports made before the backward existed
+        bwd, bwd_counts = table(report["backward"], {"float32", "bfloat16", "float16"},
+                                lambda c: True, backward_cell_text)
+        lines += ["", "### The backward pass (SPEC §9)", "",
+                  "PyTorch autograd of `sum(O * dO)` through each implementation, on the fixtures",
+                  "with `/inputs/do` (bfloat16 implementations on the twins); dQ, dK, dV written as",
+                  "`/dq, /dk, /dv` and judged by `flashref check`: each gradient's tolerance, the dQ",
+                  "of empty rows and the dK, dV of keys no row sees exactly 0.", "",
+                  "| implementation | computes in | what |", "| --- | --- | --- |"]
+        for i in report["backward"]["implementations"]:
+            lines.append(f"| {i['name']} | {i['dtype']} | {i['what']} |")
+        lines += [""] + bwd
     lines += ["", "Summary:", ""]
     for n, (npass, nfail, other) in list(full_counts.items()) + list(half_counts.items()):
         lines.append(f"- {n}: {npass} pass, {nfail} fail, {other} not run or unsupported")
+    for n, (npass, nfail, other) in bwd_counts.items():
+        lines.append(f"- {n} backward: {npass} pass, {nfail} fail, {other} not run or unsupported")
     return "\n".join(lines) + "\n"
 
 
@@ -496,6 +652,8 @@ def main():
     r.add_argument("--out", required=True)
     r.add_argument("--markdown", help="a page whose generated part is replaced")
     r.add_argument("--only", nargs="*", help="implementations to run (default: all)")
+    r.add_argument("--no-backward", action="store_true",
+                   help="skip the backward (autograd) implementations")
     r.add_argument("--budget-s", type=float, default=360,
                    help="stop starting new implementation runs after this many seconds")
     r.add_argument("--candidates", help="keep the candidate result files in this folder")

@@ -423,6 +423,9 @@ void add_explain(CLI::App& app, exit_slot status) {
   cmd->add_option("--variant", opt->variant, "guarded, unguarded, patched or all")
       ->capture_default_str();
   cmd->add_option("--svg", opt->svg, "Draw m, s and exp_old across blocks into this SVG file");
+  cmd->add_flag("--backward", opt->backward,
+                "The row through the backward pass: P from the stored LSE, Delta, dS, dQ; for an "
+                "empty row, each LSE convention");
   cmd->add_option("--mask-map", opt->mask_map,
                   "Draw the case's visibility per block (its head --row b,h) into this SVG file");
   opt->dir = FLASHREF_TESTDATA_DIR;
@@ -431,6 +434,8 @@ void add_explain(CLI::App& app, exit_slot status) {
     const bool inline_given = !opt->q.empty() || !opt->k.empty();
     if (inline_given && !opt->case_name.empty())
       throw problem_error("--case: expected either a case or inline --q/--k, got both");
+    if (opt->backward && inline_given)
+      throw problem_error("--backward: expected a --case, got inline inputs");
     if (inline_given) {
       if (!opt->mask_map.empty())
         throw problem_error("--mask-map: expected a --case to draw, got inline inputs");
@@ -439,6 +444,10 @@ void add_explain(CLI::App& app, exit_slot status) {
     }
     if (opt->case_name.empty()) opt->case_name = "spec_masked_first_block";
     const std::filesystem::path file = std::filesystem::path(opt->dir) / (opt->case_name + ".h5");
+    if (opt->backward) {
+      *status = run_explain_backward(testdata::read_fixture(file), opt->b, opt->h, opt->i);
+      return;
+    }
     const problem_data pin = testdata::read_problem(file);
     const attention_problem p = pin.inputs();
     if (!opt->mask_map.empty()) {

@@ -9,6 +9,7 @@
 
 #include "flashref/reference/problem.hpp"
 #include "flashref/reference/spec.hpp"
+#include "flashref/testdata/fixture.hpp"
 
 namespace flashref::cli {
 
@@ -32,6 +33,7 @@ struct explain_options {
   std::string svg;                   // trace figure
   std::string mask_map;              // block visibility figure
   std::int64_t b = 0, h = 0, i = 0;  // the row of a multi-row case
+  bool backward = false;             // the row through the backward pass instead
 };
 
 explain_inputs inline_inputs(const explain_options& opt);
@@ -39,5 +41,10 @@ double invariant_deviation(const explain_inputs& in, const reference::spec_step&
 std::string mask_map_svg(const attention_problem& p, std::int64_t b, std::int64_t h,
                          const std::string& title);
 int run_explain(const explain_inputs& in, const explain_options& opt);
+
+// The backward pass of one row of a fixture (explain_backward.cpp): exit status 0 when the row's
+// dQ recomputed from the stored LSE matches the golden one.
+int run_explain_backward(const testdata::fixture& fx, std::int64_t b, std::int64_t h,
+                         std::int64_t i);
 
 }  // namespace flashref::cli

@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <map>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -38,7 +39,13 @@ struct run_options {
   std::string problem;
   std::string out;
   std::string backend = "automatic";
+  bool backward = false;  // also /dq, /dk, /dv from /inputs/do
 };
+
+std::string shape_str(const xt::xtensor<float, 4>& x) {
+  return "[" + std::to_string(x.shape(0)) + ", " + std::to_string(x.shape(1)) + ", " +
+         std::to_string(x.shape(2)) + ", " + std::to_string(x.shape(3)) + "]";
+}
 
 int run_problem(const run_options& opt) {
   const backend chosen = resolve(parse_backend(opt.backend));  // bad backend: before any I/O
@@ -49,13 +56,26 @@ int run_problem(const run_options& opt) {
   const std::string case_name =
       h5::has_attr(f, "/", "case") ? h5::read_string_attr(f, "/", "case") : "";
   const std::string digest = testdata::inputs_digest(in);
+  if (opt.backward && in.d_o.size() == 0 && in.q.shape(0) * in.q.shape(2) * in.v.shape(3) > 0) {
+    throw problem_error(opt.problem +
+                        ": /inputs/do: expected the upstream gradient for --backward, got nothing");
+  }
   const backend used = attention(in.problem(), chosen);
+  std::string used_names = to_string(used);
+  if (opt.backward) {  // the gradients of the forward just run, P from its own LSE
+    const backend used_bwd = attention_backward(in.problem(), in.gradients(), chosen);
+    if (used_bwd != used) used_names += std::string(" (backward ") + to_string(used_bwd) + ")";
+  }
   const auto& o = in.o;
   const auto& lse = in.lse;
-  testdata::write_result(opt.out, o, lse, to_string(used), case_name, digest);
-  std::printf("%s: wrote /o [%zu, %zu, %zu, %zu] and /lse [%zu, %zu, %zu] (float32, backend %s)\n",
-              opt.out.c_str(), o.shape(0), o.shape(1), o.shape(2), o.shape(3), lse.shape(0),
-              lse.shape(1), lse.shape(2), to_string(used));
+  testdata::write_result(opt.out, in, used_names, opt.backward, case_name, digest);
+  std::printf("%s: wrote /o %s and /lse [%zu, %zu, %zu]", opt.out.c_str(), shape_str(o).c_str(),
+              lse.shape(0), lse.shape(1), lse.shape(2));
+  if (opt.backward) {
+    std::printf(", /dq %s, /dk %s, /dv %s", shape_str(in.dq).c_str(), shape_str(in.dk).c_str(),
+                shape_str(in.dv).c_str());
+  }
+  std::printf(" (float32, backend %s)\n", used_names.c_str());
   return 0;
 }
 
@@ -82,6 +102,43 @@ struct judged_values {
   std::size_t o_size = 0;
 };
 
+// The backward's gradients judged for one row: each tensor present (SPEC §9).
+struct gradient_verdicts {
+  std::optional<gradient_report> dq, dk, dv;
+  std::string judged() const {
+    std::string s;
+    for (auto [name, r] : {std::pair{"dq", &dq}, {"dk", &dk}, {"dv", &dv}})
+      if (r->has_value()) s += std::string(s.empty() ? "" : ",") + name;
+    return s.empty() ? "-" : s;
+  }
+  bool pass() const { return (!dq || dq->pass()) && (!dk || dk->pass()) && (!dv || dv->pass()); }
+};
+
+// How a gradient failed, in the terms of SPEC §9: where an empty row (or a key no row sees)
+// went wrong — a NaN gradient, a non-zero dQ, a non-zero dK/dV contribution — and values out
+// of tolerance.
+std::string why_gradient_failed(const char* name, const gradient_report& r, bool is_dq) {
+  std::string s;
+  auto add = [&](std::int64_t n, const std::string& what) {
+    if (n > 0) s += (s.empty() ? "" : ", ") + std::to_string(n) + " " + what;
+  };
+  add(r.zero_rows_nan,
+      is_dq ? "empty rows with a NaN gradient" : "keys no row sees with a NaN gradient");
+  add(r.zero_rows_nonzero, is_dq ? std::string("empty rows with a non-zero dQ")
+                                 : "keys no row sees with a non-zero " + std::string(name) +
+                                       " (an empty row's contribution)");
+  add(r.nonfinite, "NaN/inf values");
+  add(r.bad_elements, "values outside tolerance");
+  return s.empty() ? s : std::string(name) + ": " + s;
+}
+
+// The gradients a result holds, row-major like the fixture's golden ones.
+struct judged_gradients {
+  const float* dq = nullptr;
+  const float* dk = nullptr;
+  const float* dv = nullptr;
+};
+
 struct check_row {
   std::string fixture;  // the case: file name without .h5
   std::string judged;   // the backend, or "candidate"
@@ -93,6 +150,7 @@ struct check_row {
   verdict v = verdict::error;
   std::string message;             // why FAIL or ERROR
   std::vector<std::string> hints;  // a convention slip recognised in a failing result
+  gradient_verdicts grads;         // the backward's, when the result holds gradients
 };
 
 std::string index_of(const char* tensor, const failure_site& s) {
@@ -231,11 +289,30 @@ std::vector<std::string> recognise_slips(const check_row& row, const testdata::f
 }
 
 void judge(check_row& row, const testdata::fixture& fx, const judged_values& x,
-           const fs::path& fixture_file, std::size_t keep_worst) {
+           const fs::path& fixture_file, std::size_t keep_worst, const judged_gradients& g = {}) {
   row.rep = compare(fx.golden, x.o, x.lse, fx.tol, keep_worst);
-  row.v = row.rep.pass() ? verdict::pass : verdict::fail;
-  if (row.v == verdict::fail) row.hints = recognise_slips(row, fx, x, fixture_file);
-  if (row.v == verdict::fail || !row.rep.lse_judged) row.message = why_failed(row, fx.golden, x);
+  if (fx.grads) {
+    const reference::golden_gradients& gold = *fx.grads;
+    const input_dtype dt = fx.in.opt.dtype;
+    const std::int64_t D = gold.q_shape[3], Dv = gold.v_shape[3];
+    if (g.dq) row.grads.dq = compare_gradient(gold.dq, g.dq, D, gold.row_empty, dt);
+    if (g.dk) row.grads.dk = compare_gradient(gold.dk, g.dk, D, gold.key_unseen, dt);
+    if (g.dv) row.grads.dv = compare_gradient(gold.dv, g.dv, Dv, gold.key_unseen, dt);
+  }
+  const bool forward_ok = row.rep.pass();
+  row.v = forward_ok && row.grads.pass() ? verdict::pass : verdict::fail;
+  if (!forward_ok) row.hints = recognise_slips(row, fx, x, fixture_file);
+  if (!forward_ok || !row.rep.lse_judged) row.message = why_failed(row, fx.golden, x);
+  for (auto [name, r] :
+       {std::pair{"dq", &row.grads.dq}, {"dk", &row.grads.dk}, {"dv", &row.grads.dv}}) {
+    if (!r->has_value() || (*r)->pass()) continue;
+    row.message +=
+        (row.message.empty() ? "" : "; ") + why_gradient_failed(name, **r, name[1] == 'q');
+  }
+}
+
+std::vector<float> as_floats(const std::optional<xt::xtensor<double, 4>>& x) {
+  return x ? std::vector<float>(x->begin(), x->end()) : std::vector<float>{};
 }
 
 std::vector<fs::path> fixtures_in(const fs::path& target, const std::vector<std::string>& only) {
@@ -306,23 +383,24 @@ void print_table(const std::vector<check_row>& rows) {
   for (const check_row& r : rows)
     w = std::max(w, r.fixture.size());
   const int cw = int(w);
-  std::printf("%-*s %-9s %-15s %9s %11s %5s %5s %6s %9s  %s\n", cw, "case", "judged", "dtype",
-              "O err/tol", "LSE err/tol", "NaN", "inf", "wrong", "empty ok", "verdict");
+  std::printf("%-*s %-9s %-15s %9s %11s %5s %5s %6s %9s %-9s  %s\n", cw, "case", "judged", "dtype",
+              "O err/tol", "LSE err/tol", "NaN", "inf", "wrong", "empty ok", "gradients",
+              "verdict");
   for (const check_row& r : rows) {
     if (r.v == verdict::error) {
-      std::printf("%-*s %-9s %-15s %9s %11s %5s %5s %6s %9s  ERROR\n", cw, r.fixture.c_str(),
-                  r.judged.c_str(), dtype_cell(r).c_str(), "-", "-", "-", "-", "-", "-");
+      std::printf("%-*s %-9s %-15s %9s %11s %5s %5s %6s %9s %-9s  ERROR\n", cw, r.fixture.c_str(),
+                  r.judged.c_str(), dtype_cell(r).c_str(), "-", "-", "-", "-", "-", "-", "-");
       continue;
     }
     const conformance_report& c = r.rep;
     const std::string empty =
         std::to_string(c.empty_rows - c.empty_rows_bad) + "/" + std::to_string(c.empty_rows);
-    std::printf("%-*s %-9s %-15s %9s %11s %5lld %5lld %6lld %9s  %s%s%s\n", cw, r.fixture.c_str(),
-                r.judged.c_str(), dtype_cell(r).c_str(), ratio_cell(c.o_err_ratio, true).c_str(),
-                ratio_cell(c.lse_err_ratio, c.lse_judged).c_str(), (long long)c.nan_rows,
-                (long long)c.inf_rows, (long long)c.wrong_rows, empty.c_str(),
-                r.v == verdict::pass ? "PASS" : "FAIL", r.message.empty() ? "" : ": ",
-                r.message.c_str());
+    std::printf(
+        "%-*s %-9s %-15s %9s %11s %5lld %5lld %6lld %9s %-9s  %s%s%s\n", cw, r.fixture.c_str(),
+        r.judged.c_str(), dtype_cell(r).c_str(), ratio_cell(c.o_err_ratio, true).c_str(),
+        ratio_cell(c.lse_err_ratio, c.lse_judged).c_str(), (long long)c.nan_rows,
+        (long long)c.inf_rows, (long long)c.wrong_rows, empty.c_str(), r.grads.judged().c_str(),
+        r.v == verdict::pass ? "PASS" : "FAIL", r.message.empty() ? "" : ": ", r.message.c_str());
   }
 }
 
@@ -358,6 +436,15 @@ void print_tolerances(const std::vector<check_row>& rows) {
   std::printf(
       "O err/tol, LSE err/tol: the largest error over what the rule allows there "
       "(<= 1 passes)\n");
+  const bool gradients = std::any_of(rows.begin(), rows.end(), [](const check_row& r) {
+    return r.grads.dq || r.grads.dk || r.grads.dv;
+  });
+  if (gradients) {
+    std::printf(
+        "gradients (SPEC §9), per tensor X: |x - ref| <= rtol * max|ref| + rtol * |ref|, rtol = "
+        "1e-4 (float32), 2^-5 (bfloat16), 2^-8 (float16); dQ of empty rows and dK, dV of keys no "
+        "row sees exactly 0\n");
+  }
 }
 
 // Numbers for JSON: NaN and ±inf as the strings "nan", "+inf", "-inf" (JSON has no such
@@ -428,6 +515,19 @@ json row_json(const check_row& r) {
   }
   j["worst"] = worst;
   j["hints"] = r.hints;
+  j["gradients_judged"] = r.grads.judged();
+  for (auto [name, g] : {std::pair{"dq", &r.grads.dq}, {"dk", &r.grads.dk}, {"dv", &r.grads.dv}}) {
+    if (!g->has_value()) continue;
+    const gradient_report& x = **g;
+    j["gradients"][name] = {{"pass", x.pass()},
+                            {"bad_elements", x.bad_elements},
+                            {"nonfinite", x.nonfinite},
+                            {"max_abs_err", num(x.max_abs_err)},
+                            {"max_ref", num(x.max_ref)},
+                            {"zero_rows", x.zero_rows},
+                            {"zero_rows_nan", x.zero_rows_nan},
+                            {"zero_rows_nonzero", x.zero_rows_nonzero}};
+  }
   return j;
 }
 
@@ -509,9 +609,12 @@ int run_check(const check_options& opt) {
                                 ": a result of other inputs");
           }
         }
-        const testdata::result r = testdata::read_result(cand, fx.golden);
+        const testdata::result r =
+            testdata::read_result(cand, fx.golden, fx.grads ? &*fx.grads : nullptr);
+        const std::vector<float> dq = as_floats(r.dq), dk = as_floats(r.dk), dv = as_floats(r.dv);
         judge(row, fx, {r.o.data(), r.has_lse ? r.lse.data() : nullptr, r.o.size()}, file,
-              opt.worst_rows);
+              opt.worst_rows,
+              {r.dq ? dq.data() : nullptr, r.dk ? dk.data() : nullptr, r.dv ? dv.data() : nullptr});
       } catch (const problem_error& e) {
         row.v = verdict::error;
         row.message = e.what();
@@ -529,7 +632,17 @@ int run_check(const check_options& opt) {
         row.o_dtype = row.lse_dtype = "float32";
         const xt::xtensor<double, 4> o64 = xt::cast<double>(d.o);
         const xt::xtensor<double, 3> lse64 = xt::cast<double>(d.lse);
-        judge(row, fx, {o64.data(), lse64.data(), o64.size()}, file, opt.worst_rows);
+        bool has_backward = false;
+        for (const backend_info& info : backends())
+          has_backward = has_backward || (info.id == be && info.backward);
+        if (fx.grads && has_backward) {  // the backward too, from the forward just run
+          attention_backward(d.problem(), d.gradients(), be);
+          // Stored [B, H, L, X] as the fixture's golden gradients: row-major already.
+          judge(row, fx, {o64.data(), lse64.data(), o64.size()}, file, opt.worst_rows,
+                {d.dq.data(), d.dk.data(), d.dv.data()});
+        } else {
+          judge(row, fx, {o64.data(), lse64.data(), o64.size()}, file, opt.worst_rows);
+        }
       } catch (const problem_error& e) {  // e.g. a head dim this backend does not support
         row.v = verdict::error;
         row.message = std::string(to_string(be)) + " on " + name + ": " + e.what();
@@ -615,12 +728,16 @@ int run_check(const check_options& opt) {
 void add_run(CLI::App& app, exit_slot status) {
   auto opt = std::make_shared<run_options>();
   CLI::App* cmd = app.add_subcommand(
-      "run", "Compute /o and /lse (float32) of a problem file and write them atomically");
+      "run",
+      "Compute /o and /lse (float32) of a problem file, with --backward also /dq, /dk, /dv, and "
+      "write them atomically");
   cmd->add_option("--problem", opt->problem, "Problem file (the fixture layout, /golden optional)")
       ->required();
   cmd->add_option("--out", opt->out, "Result file to write")->required();
   cmd->add_option("--backend", opt->backend, "reference, cpu, cuda or automatic")
       ->capture_default_str();
+  cmd->add_flag("--backward", opt->backward,
+                "Also the backward pass: needs /inputs/do, writes /dq, /dk, /dv (float32)");
   cmd->callback([opt, status] { *status = run_problem(*opt); });
 }
 

@@ -12,10 +12,6 @@
 #include <string>
 #include <vector>
 
-#if defined(FLASHREF_CPU_X86)
-#include <xmmintrin.h>
-#endif
-
 #include "flashref/reference/limits.hpp"
 #include "flashref/reference/merge.hpp"
 #include "kernel.hpp"
@@ -25,8 +21,11 @@ namespace flashref::cpu {
 namespace {
 
 using detail::context;
+using detail::denormals_as_zero;
+using detail::free_deleter;
 using detail::kernel_table;
 using detail::out_rows;
+using detail::table_of;
 using detail::thread_workspace;
 using detail::work_item;
 
@@ -41,21 +40,6 @@ constexpr std::int64_t kMaxTile = 4096;       // largest tile_q / tile_k accepte
 // ceil(a / b) for a >= 0, b > 0, without forming a + b - 1 (b may be as large as 2^63 - 1).
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
   return a == 0 ? 0 : (a - 1) / b + 1;
-}
-
-const kernel_table* table_of(isa i) {
-  switch (i) {
-    case isa::portable:
-      return &detail::portable_kernels();
-#if defined(FLASHREF_CPU_X86)
-    case isa::avx2:
-      return &detail::avx2_kernels();
-    case isa::avx512:
-      return &detail::avx512_kernels();
-#endif
-    default:
-      return nullptr;
-  }
 }
 
 bool processor_runs(isa i) {
@@ -90,28 +74,26 @@ std::string supported_list() {
   fail("isa", expected, got);
 }
 
-struct free_deleter {
-  void operator()(float* p) const { std::free(p); }
-};
-
-// Flush denormals to zero inside the kernels (and restore the caller's mode): a denormal
-// product p * v costs a microcode assist on many processors and is below every tolerance.
-class denormals_as_zero {
- public:
-#if defined(FLASHREF_CPU_X86)
-  denormals_as_zero() : saved_(_mm_getcsr()) {
-    _mm_setcsr(saved_ | 0x8040u);
-  }  // FTZ | DAZ
-  ~denormals_as_zero() {
-    _mm_setcsr(saved_);
-  }
-
- private:
-  unsigned saved_;
-#endif
-};
-
 }  // namespace
+
+namespace detail {
+
+const kernel_table* table_of(isa i) {
+  switch (i) {
+    case isa::portable:
+      return &portable_kernels();
+#if defined(FLASHREF_CPU_X86)
+    case isa::avx2:
+      return &avx2_kernels();
+    case isa::avx512:
+      return &avx512_kernels();
+#endif
+    default:
+      return nullptr;
+  }
+}
+
+}  // namespace detail
 
 const char* to_string(isa i) {
   switch (i) {

@@ -6,9 +6,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <vector>
 
+#if defined(FLASHREF_CPU_X86)
+#include <xmmintrin.h>
+#endif
+
 #include "flashref/cpu/attention.hpp"
+#include "flashref/reference/backward.hpp"
 #include "flashref/reference/mask.hpp"
 #include "flashref/reference/online_softmax.hpp"
 #include "flashref/reference/problem.hpp"
@@ -46,6 +52,24 @@ struct thread_workspace {
   std::vector<std::uint8_t> visible;         // (tk, tq padded) element mask of a partial tile
 };
 
+// The backward (backward.cpp plans, backward_body.inc computes). A work item is one key/value
+// head of one batch entry and one chunk of its key tiles: tiles t with t % chunks == c form
+// chunk c (interleaved, so that a causal mask gives every chunk the same work). The item
+// finishes dK, dV of its tiles and adds its part of dQ to its own slice of dq_part; slices are
+// summed in chunk order afterwards, so no two threads ever add to one float.
+struct backward_context {
+  context fwd;  // the problem (whose o, lse hold the forward's results), mask, tiles
+  const attention_gradients* g = nullptr;
+  const float* delta = nullptr;  // (B, Hq, Lq)  Delta_i = Σ_d dO_id O_id
+  float* dq_part = nullptr;      // (chunks, B, Hq, Lq, dq_ld)  Σ_j dS_ij K_j per chunk
+  std::int64_t dq_ld = 0;        // D rounded up to a whole number of registers
+  std::int64_t chunks = 1;
+};
+
+struct backward_item {
+  std::int64_t b = 0, hk = 0, chunk = 0;
+};
+
 struct kernel_table {
   isa id;
   int width;                // floats per SIMD register
@@ -55,12 +79,37 @@ struct kernel_table {
   void (*run)(const context& ctx, const work_item& item, const out_rows& out, thread_workspace& ws);
   // Runs `iterations` rounds of independent FMAs on one thread; returns the FLOPs done.
   double (*fma_loop)(std::int64_t iterations);
+  std::size_t (*backward_workspace_floats)(const backward_context& ctx);
+  void (*run_backward)(const backward_context& ctx, const backward_item& item,
+                       thread_workspace& ws);
 };
 
 const kernel_table& portable_kernels();
+const kernel_table* table_of(isa i);  // null when not compiled into this library
 #if defined(FLASHREF_CPU_X86)
 const kernel_table& avx2_kernels();
 const kernel_table& avx512_kernels();
 #endif
+
+struct free_deleter {
+  void operator()(float* p) const { std::free(p); }
+};
+
+// Flush denormals to zero inside the kernels (and restore the caller's mode): a denormal
+// product p * v costs a microcode assist on many processors and is below every tolerance.
+class denormals_as_zero {
+ public:
+#if defined(FLASHREF_CPU_X86)
+  denormals_as_zero() : saved_(_mm_getcsr()) {
+    _mm_setcsr(saved_ | 0x8040u);
+  }  // FTZ | DAZ
+  ~denormals_as_zero() {
+    _mm_setcsr(saved_);
+  }
+
+ private:
+  unsigned saved_;
+#endif
+};
 
 }  // namespace flashref::cpu::detail

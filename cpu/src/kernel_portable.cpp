@@ -103,11 +103,14 @@ struct vec {
 
 #include "kernel_body.inc"
 
+#include "backward_body.inc"  // uses the helpers of kernel_body.inc
+
 }  // namespace
 
 const kernel_table& table() {
   static const kernel_table t{isa::portable,    W,   vec::kTileQ, vec::kTileK,
-                              workspace_floats, run, fma_loop};
+                              workspace_floats, run, fma_loop,    backward_workspace_floats,
+                              run_backward};
   return t;
 }
 

@@ -87,6 +87,21 @@ attention_problem problem_data::inputs() const {
   return inputs_of(q, k, v, opt, layout);
 }
 
+attention_gradients problem_data::gradients() {
+  auto shaped_like = [](xt::xtensor<float, 4>& x, const xt::xtensor<float, 4>& like) {
+    if (x.shape() != like.shape()) x = xt::xtensor<float, 4>::from_shape(like.shape());
+  };
+  shaped_like(dq, q);
+  shaped_like(dk, k);
+  shaped_like(dv, v);
+  attention_gradients g;
+  g.d_o = view<const float>(d_o.data(), dims_of(d_o), layout);
+  g.dq = view<float>(dq.data(), dims_of(dq), layout);
+  g.dk = view<float>(dk.data(), dims_of(dk), layout);
+  g.dv = view<float>(dv.data(), dims_of(dv), layout);
+  return g;
+}
+
 attention_problem make_problem(const xt::xtensor<float, 4>& q, const xt::xtensor<float, 4>& k,
                                const xt::xtensor<float, 4>& v, const attention_options& opt,
                                xt::xtensor<float, 4>& o, xt::xtensor<float, 3>& lse) {

@@ -22,7 +22,7 @@ namespace {
 using shape4 = std::array<std::size_t, 4>;
 
 // Streams of counter_rng per tensor, so that adding a tensor never shifts another one.
-enum stream : std::uint64_t { kQ = 0, kK = 1, kV = 2, kMask = 3, kDirection = 4 };
+enum stream : std::uint64_t { kQ = 0, kK = 1, kV = 2, kMask = 3, kDirection = 4, kDo = 5 };
 
 // Standard normals times sigma, rounded to float32 and then to dtype.
 xt::xtensor<float, 4> normals(std::uint64_t seed, std::uint64_t stream, shape4 shape,
@@ -314,6 +314,65 @@ void check_monotone_maxima(const fixture& fx) {
   });
 }
 
+// ---- the backward's own traps (SPEC §9) ---------------------------------------------------
+
+// One row in the middle of a tile sees nothing (block_q = 1), its neighbours see every key.
+void make_bwd_empty_row_in_tile(fixture& fx, const variant& v) {
+  dense(fx, {1, 2, 2, 32, 48, 16, 16}, v);
+  xt::xtensor<std::uint8_t, 4> m = xt::ones<std::uint8_t>(shape4{1, 2, 32, 1});
+  m(0, 0, 9, 0) = m(0, 1, 20, 0) = 0;
+  fx.in.opt.block_mask = m;
+  fx.in.opt.block_q = 1;
+  fx.in.opt.block_k = 48;
+}
+
+// Keys 5 and 30 are masked for every row (block_k = 1): their dK, dV must be exactly 0.
+void make_bwd_unseen_key(fixture& fx, const variant& v) {
+  dense(fx, {1, 2, 2, 24, 40, 16, 16}, v);
+  xt::xtensor<std::uint8_t, 4> m = xt::ones<std::uint8_t>(shape4{1, 1, 1, 40});
+  m(0, 0, 0, 5) = m(0, 0, 0, 30) = 0;
+  fx.in.opt.block_mask = m;
+  fx.in.opt.block_q = 24;
+  fx.in.opt.block_k = 1;
+}
+
+// Key lengths that cut a 32-, 64- or 128-key tile; keys at or beyond them get dK = dV = 0.
+void make_bwd_kv_len_cuts_tile(fixture& fx, const variant& v) {
+  dense(fx, {2, 2, 2, 16, 150, 16, 16}, v);
+  fx.in.opt.kv_len = {45, 129};
+}
+
+// GQA (Hq = 4, Hk = 2) with a head-wise block mask: in group 0, head 1 has an empty q-block row
+// that head 0 does not, so dK, dV of the group sum a full head and a partly empty one.
+void make_bwd_gqa_empty_row_one_head(fixture& fx, const variant& v) {
+  dense(fx, {1, 4, 2, 24, 32, 16, 16}, v);
+  xt::xtensor<std::uint8_t, 4> m = xt::ones<std::uint8_t>(shape4{1, 4, 3, 4});
+  for (std::size_t kb = 0; kb < 4; ++kb)
+    m(0, 1, 1, kb) = 0;
+  m(0, 2, 0, 3) = 0;
+  fx.in.opt.block_mask = m;
+  fx.in.opt.block_q = fx.in.opt.block_k = 8;
+}
+
+// Scores ~1e3 whose spread within a row stays O(1): Q[..., 0] = K[..., 0] = c with
+// scale c^2 ~ 1000 (scale = 1/sqrt(D)). P is spread, so dQ and dK are large and only a
+// recomputation from the stored LSE (not a fresh block max, not LSE = 0) gives them.
+void make_bwd_large_scores(fixture& fx, const variant& v) {
+  dense(fx, {1, 2, 2, 16, 48, 16, 16}, v);
+  const std::size_t D = fx.in.q.shape(3);  // 16, or a twin's widened head dim
+  const float c = float(std::sqrt(1000.0 * std::sqrt(double(D))));
+  for (auto* x : {&fx.in.q, &fx.in.k})
+    for (std::size_t n = 0; n < x->size(); n += D)
+      x->data()[n] = c;
+}
+
+void check_bwd_large_scores(const fixture& fx) {
+  for_each_score_row(fx, [&](std::int64_t, std::vector<double> s) {
+    std::sort(s.begin(), s.end(), std::greater<>());
+    if (!(s[0] > 900.0 && s[0] < 1100.0 && s[0] - s[1] < 3.0))
+      broken(fx, "row maxima ~1e3 with a top-2 gap below 3 (P spread)");
+  });
+}
 // What a case is, beyond its inputs: a spec case (single query, with a /trace), a float32
 // case with half-precision twins, or a case whose inputs are half precision already.
 enum class case_kind { spec, twinned, half };
@@ -323,6 +382,7 @@ struct case_def {
   void (*make)(fixture&, const variant&);
   void (*check)(const fixture&);  // the property the case exists for, or null
   case_kind kind;
+  bool backward = true;  // /inputs/do and /golden/dq, dk, dv (else its description says why)
 };
 
 const std::vector<case_def>& definitions() {
@@ -434,11 +494,14 @@ const std::vector<case_def>& definitions() {
        nullptr,
        case_kind::twinned},
       {{"extreme_scores",
-        "scores of magnitude 1e3..1e4 (exp overflows without max subtraction), top-2 gap >= 20",
+        "scores of magnitude 1e3..1e4 (exp overflows without max subtraction), top-2 gap >= 20; "
+        "no backward: P is one-hot to 1e-9, so dQ and dK lie below the float32 rounding of O "
+        "that every backward starts from (bwd_large_scores has large scores with P spread)",
         801},
        make_extreme_scores,
        check_extreme_scores,
-       case_kind::twinned},
+       case_kind::twinned,
+       /*backward=*/false},
       {{"monotone_maxima",
         "tile maxima rising every 4 keys (head 0: a rescale at every tile) and falling (head 1: "
         "none)",
@@ -466,18 +529,57 @@ const std::vector<case_def>& definitions() {
        },
        nullptr,
        case_kind::half},
+      {{"bwd_empty_row_in_tile",
+        "backward: rows 9 (head 0) and 20 (head 1) see no key, their neighbours every key "
+        "(block_q = 1): dQ = 0 there, no NaN",
+        1101},
+       make_bwd_empty_row_in_tile,
+       nullptr,
+       case_kind::twinned},
+      {{"bwd_unseen_key", "backward: keys 5 and 30 are visible to no row: dK = dV = 0 exactly",
+        1102},
+       make_bwd_unseen_key,
+       nullptr,
+       case_kind::twinned},
+      {{"bwd_kv_len_cuts_tile",
+        "backward: kv_len = [45, 129] cuts 32-, 64- and 128-key tiles: keys beyond get dK = dV = 0",
+        1103},
+       make_bwd_kv_len_cuts_tile,
+       nullptr,
+       case_kind::twinned},
+      {{"bwd_gqa_empty_row_one_head",
+        "backward: GQA (Hq = 4, Hk = 2), head 1 has an empty q-block row that head 0 of its group "
+        "has not",
+        1104},
+       make_bwd_gqa_empty_row_one_head,
+       nullptr,
+       case_kind::twinned},
+      {{"bwd_large_scores",
+        "backward: scores ~1e3 with P spread (top-2 gap < 3): P must come from the stored LSE",
+        1105},
+       make_bwd_large_scores,
+       check_bwd_large_scores,
+       case_kind::twinned},
   };
   return defs;
 }
 
 // Golden values, tolerance and (for spec cases) the trace of the spec function.
-void finish(fixture& fx, bool spec) {
+void finish(fixture& fx, bool spec, bool backward) {
   const attention_problem p = fx.in.inputs();
   fx.golden = reference::naive_attention(p);
   double max_v = 0;
   for (float x : fx.in.v)
     max_v = std::max(max_v, double(std::abs(x)));
   fx.tol = default_tolerance(fx.in.opt.dtype, max_v);
+  if (backward) {
+    // dO ~ N(0, 1) from its own stream (representable in the input dtype), then the golden
+    // gradients of Σ O ∘ dO from the naive float64 backward.
+    fx.in.d_o = normals(fx.seed, kDo,
+                        {fx.in.q.shape(0), fx.in.q.shape(1), fx.in.q.shape(2), fx.in.v.shape(3)},
+                        1.0, fx.in.opt.dtype);
+    fx.grads = reference::naive_attention_backward(p, fx.in.gradients().d_o);
+  }
   if (!spec) return;
   if (p.batch() != 1 || p.heads_q() != 1 || p.len_q() != 1) broken(fx, "a single query");
   const spec_row row = spec_row_of(p, 0, 0, 0);
@@ -526,6 +628,11 @@ const std::vector<built_case>& built_cases() {
                            std::to_string(kTwinHeadDim) + " widened to " +
                            std::to_string(kTwinHeadDim) + "; " + to_string(t) +
                            " tolerance): " + d.info.description;
+        // The backward's half-precision rule is pinned by half_inputs_bf16/fp16; twins with
+        // gradients would more than double the folder.
+        if (d.backward)
+          info.description +=
+              "; no backward in the twin (half_inputs_* carry the half-precision gradients)";
         out.push_back({info, &d, v, d.info.name});
       }
     }
@@ -566,7 +673,7 @@ fixture generate(const std::string& name) {
                    std::to_string(kFormatVersion) + ")";
     c.def->make(fx, c.v);
     if (c.v.is_twin()) round_inputs(fx, c.v.twin);
-    finish(fx, c.def->kind == case_kind::spec);
+    finish(fx, c.def->kind == case_kind::spec, c.def->backward && !c.v.is_twin());
     if (c.def->check != nullptr) c.def->check(fx);
     return fx;
   }

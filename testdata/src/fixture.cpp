@@ -79,6 +79,12 @@ void check_problem_memory(const h5::file& f, bool with_golden) {
     const std::uint64_t per_value = with_golden ? 4 + 8 : 4;
     parts.push_back(checked_product({q[0], q[1], q[2], v[3], per_value}));
     parts.push_back(checked_product({q[0], q[1], q[2], per_value}));
+    if (f.has("/inputs/do"))  // the backward's upstream gradient, O's shape in float32
+      parts.push_back(checked_product({q[0], q[1], q[2], v[3], 4}));
+  }
+  if (with_golden && f.has("/golden/dq")) {  // float64 dQ, dK, dV: the shapes of q, k, v
+    for (const auto* d : {&q, &k, &v})
+      parts.push_back(count_of(*d) ? checked_product({*count_of(*d), 8}) : std::nullopt);
   }
   if (f.has("/inputs/block_mask")) {
     const auto m = count_of(declared("/inputs/block_mask"));
@@ -123,11 +129,16 @@ problem_data read_problem_impl(const h5::file& f, bool with_golden) {
     const auto kv = h5::load<std::int32_t, 1>(f, "/inputs/kv_len");
     opt.kv_len.assign(kv.begin(), kv.end());
   }
-  validate(in.problem());  // shapes, masks and kv_len
+  validate(in.problem());     // shapes, masks and kv_len
+  if (f.has("/inputs/do")) {  // the backward's upstream gradient: O's shape
+    in.d_o = h5::load<float, 4>(f, "/inputs/do",
+                                {in.q.shape(0), in.q.shape(1), in.q.shape(2), in.v.shape(3)});
+  }
   if (opt.dtype != input_dtype::float32) {
     check_representable(f, "/inputs/q", in.q, opt.dtype);
     check_representable(f, "/inputs/k", in.k, opt.dtype);
     check_representable(f, "/inputs/v", in.v, opt.dtype);
+    if (in.d_o.size() > 0) check_representable(f, "/inputs/do", in.d_o, opt.dtype);
   }
   return in;
 }
@@ -138,6 +149,21 @@ std::array<std::size_t, 4> o_shape(const problem_data& in) {
 
 std::array<std::size_t, 3> lse_shape(const problem_data& in) {
   return {in.q.shape(0), in.q.shape(1), in.q.shape(2)};
+}
+
+std::array<std::size_t, 4> shape_of(const std::array<std::int64_t, 4>& s) {
+  return {std::size_t(s[0]), std::size_t(s[1]), std::size_t(s[2]), std::size_t(s[3])};
+}
+
+std::array<std::int64_t, 4> dims_of(const xt::xtensor<float, 4>& x) {
+  return {std::int64_t(x.shape(0)), std::int64_t(x.shape(1)), std::int64_t(x.shape(2)),
+          std::int64_t(x.shape(3))};
+}
+
+std::vector<double> load_flat(const h5::file& f, const char* path,
+                              const std::array<std::int64_t, 4>& shape) {
+  const auto x = h5::load<double, 4>(f, path, shape_of(shape));
+  return {x.begin(), x.end()};
 }
 
 }  // namespace
@@ -202,6 +228,23 @@ fixture read_fixture(const h5::file& f) {
     fx.golden.o_shape[d] = std::int64_t(os[d]);
   fx.golden.o.assign(o.begin(), o.end());
   fx.golden.lse.assign(lse.begin(), lse.end());
+  if (f.has("/golden/dq") || f.has("/golden/dk") || f.has("/golden/dv")) {
+    if (fx.in.d_o.size() == 0 && o_shape(fx.in)[3] * o_shape(fx.in)[2] > 0)
+      f.fail("/inputs/do", "the upstream gradient of /golden/dq, dk, dv", "nothing");
+    reference::golden_gradients g;
+    g.q_shape = dims_of(fx.in.q);
+    g.k_shape = dims_of(fx.in.k);
+    g.v_shape = dims_of(fx.in.v);
+    g.dq = load_flat(f, "/golden/dq", g.q_shape);
+    g.dk = load_flat(f, "/golden/dk", g.k_shape);
+    g.dv = load_flat(f, "/golden/dv", g.v_shape);
+    // Empty rows and unseen keys are not stored: the golden forward and the mask give them.
+    const reference::golden_gradients flags =
+        reference::naive_attention_backward(fx.in.inputs(), fx.in.gradients().d_o);
+    g.row_empty = flags.row_empty;
+    g.key_unseen = flags.key_unseen;
+    fx.grads = std::move(g);
+  }
   if (f.has("/trace")) {
     // The trace's length is its own (one entry per tile): bounded before it is read.
     const std::vector<std::size_t> tiles = h5::shape_of(f, "/trace/m");
@@ -249,6 +292,15 @@ void write_fixture(const std::filesystem::path& path, const fixture& fx) {
     const auto os = o_shape(fx.in);
     h5::dump(f, "/golden/o", xt::xtensor<double, 4>(xt::adapt(fx.golden.o, os)));
     h5::dump(f, "/golden/lse", xt::xtensor<double, 3>(xt::adapt(fx.golden.lse, lse_shape(fx.in))));
+    if (fx.grads) {
+      h5::dump(f, "/inputs/do", fx.in.d_o);
+      h5::dump(f, "/golden/dq",
+               xt::xtensor<double, 4>(xt::adapt(fx.grads->dq, shape_of(fx.grads->q_shape))));
+      h5::dump(f, "/golden/dk",
+               xt::xtensor<double, 4>(xt::adapt(fx.grads->dk, shape_of(fx.grads->k_shape))));
+      h5::dump(f, "/golden/dv",
+               xt::xtensor<double, 4>(xt::adapt(fx.grads->dv, shape_of(fx.grads->v_shape))));
+    }
     if (fx.trace) {
       h5::dump(f, "/trace/m", fx.trace->m);
       h5::dump(f, "/trace/s", fx.trace->s);
@@ -381,11 +433,13 @@ result_info read_result_info(const h5::file& f) {
   return info;
 }
 
-result read_result(const std::filesystem::path& path, const reference::golden& golden) {
-  return read_result(h5::file::open(path), golden);
+result read_result(const std::filesystem::path& path, const reference::golden& golden,
+                   const reference::golden_gradients* grads) {
+  return read_result(h5::file::open(path), golden, grads);
 }
 
-result read_result(const h5::file& f, const reference::golden& golden) {
+result read_result(const h5::file& f, const reference::golden& golden,
+                   const reference::golden_gradients* grads) {
   const auto& s = golden.o_shape;
   result r;
   r.o = h5::load<double, 4>(
@@ -394,6 +448,16 @@ result read_result(const h5::file& f, const reference::golden& golden) {
   if (r.has_lse)
     r.lse =
         h5::load<double, 3>(f, "/lse", {std::size_t(s[0]), std::size_t(s[1]), std::size_t(s[2])});
+  auto gradient = [&](const char* name, const std::array<std::int64_t, 4>* shape,
+                      std::optional<xt::xtensor<double, 4>>& into) {
+    if (!f.has(name)) return;
+    if (shape == nullptr)
+      f.fail(name, "no gradient (the fixture has no /golden" + std::string(name) + ")", "one");
+    into = h5::load<double, 4>(f, name, shape_of(*shape));
+  };
+  gradient("/dq", grads ? &grads->q_shape : nullptr, r.dq);
+  gradient("/dk", grads ? &grads->k_shape : nullptr, r.dk);
+  gradient("/dv", grads ? &grads->v_shape : nullptr, r.dv);
   return r;
 }
 
@@ -403,6 +467,23 @@ void write_result(const std::filesystem::path& path, const xt::xtensor<float, 4>
   h5::write_atomically(path, [&](h5::file& f) {
     h5::dump(f, "/o", o);
     h5::dump(f, "/lse", lse);
+    h5::write_attr(f, kRoot, "backend", backend);
+    if (!case_name.empty()) h5::write_attr(f, kRoot, "case", case_name);
+    if (!digest.empty()) h5::write_attr(f, kRoot, "inputs_digest", digest);
+  });
+}
+
+void write_result(const std::filesystem::path& path, const attention_outputs& out,
+                  const std::string& backend, bool with_gradients, const std::string& case_name,
+                  const std::string& digest) {
+  h5::write_atomically(path, [&](h5::file& f) {
+    h5::dump(f, "/o", out.o);
+    h5::dump(f, "/lse", out.lse);
+    if (with_gradients) {
+      h5::dump(f, "/dq", out.dq);
+      h5::dump(f, "/dk", out.dk);
+      h5::dump(f, "/dv", out.dv);
+    }
     h5::write_attr(f, kRoot, "backend", backend);
     if (!case_name.empty()) h5::write_attr(f, kRoot, "case", case_name);
     if (!digest.empty()) h5::write_attr(f, kRoot, "inputs_digest", digest);

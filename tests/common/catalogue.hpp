@@ -45,4 +45,20 @@ void check_case(const catalogue_case& c, input_dtype dtype, const runner& run);
 // NaN in one input (q, k or v) reaches exactly the rows the golden result marks, never others.
 void check_nan_isolation(input_dtype dtype, const runner& run);
 
+// --- the backward pass (SPEC §9)
+
+// The catalogue as the backward sees it: every edge case, combined mask and random case, with
+// the inputs kept at unit scale and at least two keys (well_conditioned in backward_check.hpp
+// says why; the cases meant for large scores included), and the one-key window (0, 0)
+// widened to (0, 1); then the backward's own traps.
+std::vector<catalogue_case> backward_cases();
+
+// Computes p's gradients; p.o and p.lse hold the forward's results.
+using backward_runner = std::function<void(const attention_problem&, const attention_gradients&)>;
+
+// Builds the case (float32), runs `forward` then `backward` and requires dQ, dK, dV to meet
+// SPEC §9 against the naive float64 golden gradients, empty rows and unseen keys exactly 0.
+void check_backward_case(const catalogue_case& c, const runner& forward,
+                         const backward_runner& backward);
+
 }  // namespace flashref::test

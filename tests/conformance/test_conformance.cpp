@@ -4,6 +4,7 @@
 // joins by registering in backends(); no test code changes.
 #include <catch2/catch.hpp>
 
+#include "backward_check.hpp"
 #include "catalogue.hpp"
 #include "flashref/flashref.hpp"
 
@@ -53,4 +54,36 @@ TEST_CASE("conformance: NaN in an input reaches only the rows that read it", "[c
   over_backends([](const flashref::test::runner& run, flashref::input_dtype dtype) {
     flashref::test::check_nan_isolation(dtype, run);
   });
+}
+
+TEST_CASE("conformance: the backward pass of every backend that has one",
+          "[conformance][backward]") {
+  int ran = 0;
+  const std::vector<catalogue_case> cases = flashref::test::backward_cases();
+  for (const flashref::backend_info& info : flashref::backends()) {
+    if (!info.available || !info.backward) continue;
+    DYNAMIC_SECTION(flashref::to_string(info.id) << " backward") {
+      const flashref::backend id = info.id;
+      for (const catalogue_case& c : cases) {
+        flashref::test::check_backward_case(
+            c, [id](const flashref::attention_problem& p) { flashref::attention(p, id); },
+            [id](const flashref::attention_problem& p, const flashref::attention_gradients& g) {
+              flashref::attention_backward(p, g, id);
+            });
+      }
+    }
+    ++ran;
+  }
+  REQUIRE(ran >= 2);  // at least the reference and the CPU backend
+}
+
+TEST_CASE("conformance: a backend without a backward says so", "[conformance][backward]") {
+  for (const flashref::backend_info& info : flashref::backends()) {
+    if (!info.available || info.backward) continue;
+    flashref::problem_data d = flashref::test::random_problem({}, 1);
+    flashref::attention(d.problem(), info.id);
+    flashref::test::add_upstream_gradient(d, 1);
+    REQUIRE_THROWS_WITH(flashref::attention_backward(d.problem(), d.gradients(), info.id),
+                        Catch::Contains("expected a backend with a backward pass"));
+  }
 }

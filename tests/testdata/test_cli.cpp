@@ -742,3 +742,94 @@ TEST_CASE("cli: fixtures regenerate and list", "[cli]") {
   for (const td::case_info& c : td::cases())
     CHECK_THAT(list.out, Contains(c.name));
 }
+
+TEST_CASE("cli: run --backward writes gradients that check judges, naming how an empty row fails",
+          "[cli][backward]") {
+  temp_dir dir;
+  const std::string fixture = fixture_path("bwd_empty_row_in_tile");
+  const auto result = dir / "r.h5";
+  const outcome run =
+      cli("run --backward --problem " + fixture + " --out " + quoted(result) + " --backend cpu");
+  CAPTURE(run.out, run.err);
+  REQUIRE(run.rc == 0);
+  CHECK_THAT(run.out, Contains("/dq [1, 2, 32, 16], /dk [1, 2, 48, 16], /dv [1, 2, 48, 16]"));
+  for (const char* name : {"/dq", "/dk", "/dv"})
+    CHECK(h5::type_of(h5::file::open(result), name) == "float32");
+
+  const outcome pass = cli("check " + fixture + " --candidate " + quoted(result));
+  CAPTURE(pass.out, pass.err);
+  CHECK(pass.rc == 0);
+  CHECK_THAT(pass.out, Contains("dq,dk,dv") && Contains("PASS"));
+
+  // The same gradients with an empty row's dQ set to NaN, then to a small non-zero value, and
+  // a gradient-free problem run --backward.
+  const td::fixture fx = td::read_fixture(testdata_dir() / "bwd_empty_row_in_tile.h5");
+  const td::result r = td::read_result(result, fx.golden, &*fx.grads);
+  flashref::attention_outputs out;
+  out.o = xt::cast<float>(r.o);
+  out.lse = xt::cast<float>(r.lse);
+  out.dq = xt::cast<float>(*r.dq);
+  out.dk = xt::cast<float>(*r.dk);
+  out.dv = xt::cast<float>(*r.dv);
+  const std::size_t D = out.dq.shape(3), empty_row = 9;  // head 0, row 9 sees nothing
+  out.dq.data()[empty_row * D] = NAN;
+  td::write_result(dir / "nan.h5", out, "hand-made", true);
+  const outcome nan = cli("check " + fixture + " --candidate " + quoted(dir / "nan.h5"));
+  CAPTURE(nan.out, nan.err);
+  CHECK(nan.rc == 1);
+  CHECK_THAT(nan.out, Contains("dq: 1 empty rows with a NaN gradient"));
+  out.dq.data()[empty_row * D] = 1e-3f;
+  td::write_result(dir / "nonzero.h5", out, "hand-made", true);
+  const outcome nonzero = cli("check " + fixture + " --candidate " + quoted(dir / "nonzero.h5"));
+  CAPTURE(nonzero.out, nonzero.err);
+  CHECK(nonzero.rc == 1);
+  CHECK_THAT(nonzero.out, Contains("dq: 1 empty rows with a non-zero dQ"));
+
+  // Only dV present, and wrong by a little for one unseen key.
+  const td::fixture fu = td::read_fixture(testdata_dir() / "bwd_unseen_key.h5");
+  const auto ru = dir / "u.h5";
+  REQUIRE(cli("run --backward --problem " + fixture_path("bwd_unseen_key") + " --out " +
+              quoted(ru) + " --backend reference")
+              .rc == 0);
+  const td::result u = td::read_result(ru, fu.golden, &*fu.grads);
+  xt::xtensor<float, 4> dv = xt::cast<float>(*u.dv);
+  dv.data()[5 * dv.shape(3)] = 1e-6f;  // key 5 of head 0 is seen by no row
+  h5::write_atomically(dir / "dv_only.h5", [&](h5::file& f) {
+    h5::dump(f, "/o", xt::xtensor<float, 4>(xt::cast<float>(u.o)));
+    h5::dump(f, "/lse", xt::xtensor<float, 3>(xt::cast<float>(u.lse)));
+    h5::dump(f, "/dv", dv);
+  });
+  const outcome only =
+      cli("check " + fixture_path("bwd_unseen_key") + " --candidate " + quoted(dir / "dv_only.h5"));
+  CAPTURE(only.out, only.err);
+  CHECK(only.rc == 1);
+  CHECK_THAT(only.out, Contains(" dv ") &&
+                           Contains("dv: 1 keys no row sees with a non-zero dv (an empty row's "
+                                    "contribution)"));
+
+  // A problem without /inputs/do cannot run --backward.
+  const auto no_do = dir / "p.h5";
+  h5::write_atomically(no_do, [&](h5::file& f) {
+    h5::dump(f, "/inputs/q", fx.in.q);
+    h5::dump(f, "/inputs/k", fx.in.k);
+    h5::dump(f, "/inputs/v", fx.in.v);
+  });
+  require_bad_input(
+      cli("run --backward --problem " + quoted(no_do) + " --out " + quoted(dir / "never.h5")),
+      "/inputs/do: expected the upstream gradient");
+  CHECK_FALSE(std::filesystem::exists(dir / "never.h5"));
+}
+
+TEST_CASE("cli: explain --backward walks one row and each empty-row LSE convention",
+          "[cli][backward]") {
+  const outcome row = cli("explain --case spec_masked_first_block --backward");
+  CAPTURE(row.out, row.err);
+  CHECK(row.rc == 0);
+  CHECK_THAT(row.out, Contains("sum_j P_j = 1") && Contains("Delta = sum_d dO_d O_d"));
+  const outcome empty = cli("explain --case spec_all_masked --backward");
+  CAPTURE(empty.out, empty.err);
+  CHECK(empty.rc == 0);
+  CHECK_THAT(empty.out, Contains("NaN / +inf") && Contains("LSE +inf (FA2)"));
+  require_bad_input(cli("explain --case extreme_scores --backward"),
+                    "--backward: expected a case with /inputs/do");
+}

@@ -70,7 +70,12 @@ TEST_CASE("the committed folder holds exactly the generator's cases, small", "[f
                                "monotone_maxima",
                                "decode_lq1",
                                "half_inputs_bf16",
-                               "half_inputs_fp16"}) {
+                               "half_inputs_fp16",
+                               "bwd_empty_row_in_tile",
+                               "bwd_unseen_key",
+                               "bwd_kv_len_cuts_tile",
+                               "bwd_gqa_empty_row_one_head",
+                               "bwd_large_scores"}) {
     CAPTURE(required);
     CHECK(generated.count(required) == 1);
   }
@@ -374,6 +379,104 @@ TEST_CASE("generation is deterministic and every case checks its own property", 
   CHECK_THROWS_AS(td::generate("no_such_case"), flashref::problem_error);
 }
 
+TEST_CASE("every fixture's gradients pass on every backend with a backward",
+          "[fixtures][backends][backward]") {
+  // SPEC §9: every case carries /inputs/do and /golden/dq, dk, dv unless it states why not.
+  std::size_t with_gradients = 0;
+  for (const td::case_info& c : td::cases()) {
+    const td::fixture fx = load(c.name);
+    if (!fx.grads) {
+      CAPTURE(c.name, fx.description);
+      CHECK(fx.description.find("no backward") != std::string::npos);
+      continue;
+    }
+    ++with_gradients;
+    for (const flashref::backend_info& info : flashref::backends()) {
+      if (!info.available || !info.backward) continue;
+      DYNAMIC_SECTION(c.name << " backward on " << flashref::to_string(info.id)) {
+        flashref::problem_data d = fx.in;
+        flashref::attention(d.problem(), info.id);
+        const flashref::attention_gradients g = d.gradients();
+        std::fill(d.dq.begin(), d.dq.end(), NAN);  // unwritten elements must show
+        std::fill(d.dk.begin(), d.dk.end(), NAN);
+        std::fill(d.dv.begin(), d.dv.end(), NAN);
+        flashref::attention_backward(d.problem(), g, info.id);
+        const auto& gold = *fx.grads;
+        const flashref::input_dtype dt = fx.in.opt.dtype;
+        const std::int64_t D = gold.q_shape[3], Dv = gold.v_shape[3];
+        for (auto [name, rep] :
+             {std::pair{"dq",
+                        flashref::compare_gradient(gold.dq, d.dq.data(), D, gold.row_empty, dt)},
+              {"dk", flashref::compare_gradient(gold.dk, d.dk.data(), D, gold.key_unseen, dt)},
+              {"dv", flashref::compare_gradient(gold.dv, d.dv.data(), Dv, gold.key_unseen, dt)}}) {
+          CAPTURE(name, rep.bad_elements, rep.nonfinite, rep.max_abs_err, rep.max_ref,
+                  rep.zero_rows, rep.zero_rows_nan, rep.zero_rows_nonzero);
+          CHECK(rep.pass());
+        }
+      }
+    }
+  }
+  // Without: extreme_scores and every half-precision twin (half_inputs_* carry gradients).
+  CHECK(with_gradients >= 27);
+}
+
+TEST_CASE("the backward's trap cases pin what their names say", "[fixtures][backward]") {
+  auto row_empty = [](const td::fixture& fx, std::int64_t h, std::int64_t i) {
+    return golden_lse(fx, 0, h, i) == -INFINITY;
+  };
+  SECTION("bwd_empty_row_in_tile: empty rows between rows that see every key") {
+    const td::fixture fx = load("bwd_empty_row_in_tile");
+    CHECK(row_empty(fx, 0, 9));
+    CHECK_FALSE(row_empty(fx, 0, 8));
+    CHECK_FALSE(row_empty(fx, 0, 10));
+    CHECK(row_empty(fx, 1, 20));
+    CHECK(empty_rows(fx) == 2);
+  }
+  SECTION("bwd_unseen_key: keys 5 and 30 have golden dK = dV = 0 exactly") {
+    const td::fixture fx = load("bwd_unseen_key");
+    REQUIRE(fx.grads);
+    const auto& g = *fx.grads;
+    const std::int64_t Lk = g.k_shape[2], D = g.k_shape[3];
+    std::int64_t unseen = 0;
+    for (std::int64_t hk = 0; hk < g.k_shape[1]; ++hk)
+      for (std::int64_t j = 0; j < Lk; ++j) {
+        const bool expect = j == 5 || j == 30;
+        CHECK(bool(g.key_unseen[std::size_t(hk * Lk + j)]) == expect);
+        if (!expect) continue;
+        ++unseen;
+        for (std::int64_t x = 0; x < D; ++x)
+          CHECK(g.dk[std::size_t((hk * Lk + j) * D + x)] == 0.0);
+      }
+    CHECK(unseen == 2 * g.k_shape[1]);
+  }
+  SECTION("bwd_kv_len_cuts_tile: key lengths inside 32-, 64- and 128-key tiles") {
+    const td::fixture fx = load("bwd_kv_len_cuts_tile");
+    for (std::int32_t n : fx.in.opt.kv_len)
+      for (std::int32_t tile : {32, 64, 128})
+        CHECK(n % tile != 0);
+  }
+  SECTION(
+      "bwd_gqa_empty_row_one_head: in one group, one head's q-block row empty, not the other's") {
+    const td::fixture fx = load("bwd_gqa_empty_row_one_head");
+    CHECK(fx.in.q.shape(1) == 4);
+    CHECK(fx.in.k.shape(1) == 2);
+    for (std::int64_t i = 8; i < 16; ++i) {
+      CHECK(row_empty(fx, 1, i));
+      CHECK_FALSE(row_empty(fx, 0, i));
+    }
+  }
+  SECTION("bwd_large_scores: LSE ~1e3 and gradients far from vanishing") {
+    const td::fixture fx = load("bwd_large_scores");
+    REQUIRE(fx.grads);
+    for (double l : fx.golden.lse)
+      CHECK((l > 900.0 && l < 1100.0));
+    double max_dq = 0;
+    for (double x : fx.grads->dq)
+      max_dq = std::max(max_dq, std::abs(x));
+    CHECK(max_dq > 1e-2);
+  }
+}
+
 TEST_CASE("every float32 case but the spec cases has a bfloat16 and a float16 twin",
           "[fixtures][twins]") {
   std::set<std::string> names;
@@ -431,5 +534,5 @@ TEST_CASE("every float32 case but the spec cases has a bfloat16 and a float16 tw
       CHECK(twin.tol.rtol == flashref::default_tolerance(dtype, 1.0).rtol);
     }
   }
-  CHECK(twins == 2 * 18);
+  CHECK(twins == 2 * 23);  // 18 forward cases and the 5 backward traps
 }

@@ -162,7 +162,9 @@ TEST_CASE("limits: a fixture counts its golden float64 O and LSE too", "[limits]
   const auto p = dir / "spec_random.h5";
   td::write_fixture(p, td::generate("spec_random"));
   const td::fixture fx = td::read_fixture(p);
-  const std::uint64_t in_bytes = 4 * (fx.in.q.size() + fx.in.k.size() + fx.in.v.size()),
+  // q, k, v and the backward's upstream gradient dO, all float32.
+  const std::uint64_t in_bytes =
+                          4 * (fx.in.q.size() + fx.in.k.size() + fx.in.v.size() + fx.in.d_o.size()),
                       out_bytes = 4 * (fx.in.o.size() + fx.in.lse.size());
   // A budget that holds the problem and its float32 outputs, but not the float64 golden.
   const std::string limit = std::to_string(in_bytes + out_bytes);

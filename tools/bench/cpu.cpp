@@ -26,6 +26,7 @@
 #include "../io.hpp"
 #include "../svg.hpp"
 #include "flashref/cpu/attention.hpp"
+#include "flashref/cpu/backward.hpp"
 #include "flashref/reference/data.hpp"
 #include "flashref/reference/mask.hpp"
 #include "flashref/reference/tiled.hpp"
@@ -57,6 +58,8 @@ struct bench_options {
   std::string json, plot;
   bool memory_check = false;
   std::uint64_t seed = 2024;
+  bool backward = false;                        // also time the CPU backward (SPEC §9)
+  std::int64_t bwd_tile_q = 0, bwd_tile_k = 0;  // its tiles; 0 = the backward's defaults
 };
 
 using clock_type = std::chrono::steady_clock;
@@ -330,10 +333,11 @@ long peak_rss_mib() {
 }
 
 // Peak resident memory for causal L = 8192, 16384, 32768 (one head, D = 128): it grows with
-// the inputs (linear in L), not with an Lq x Lk matrix.
-void memory_check(const cpu::options& copt) {
-  std::printf("%8s %14s %16s %18s %12s\n", "L", "inputs_MiB", "peak_rss_MiB", "LqxLk_fp32_MiB",
-              "seconds");
+// the inputs (linear in L), not with an Lq x Lk matrix. With the backward, dO and the
+// gradients count as inputs and the backward's time is the last column.
+void memory_check(const cpu::options& copt, const cpu::options* bopt) {
+  std::printf("%8s %14s %16s %18s %12s%s\n", "L", "inputs_MiB", "peak_rss_MiB", "LqxLk_fp32_MiB",
+              "seconds", bopt ? "  backward_s" : "");
   std::printf("%8s %14s %16ld %18s %12s\n", "start", "-", peak_rss_mib(), "-", "-");
   for (std::int64_t L : {8192, 16384, 32768}) {
     bench_point pt;
@@ -344,11 +348,24 @@ void memory_check(const cpu::options& copt) {
     const auto t0 = clock_type::now();
     cpu::attention(d.p, copt);
     const double s = seconds_since(t0);
-    const double inputs = double(d.data.q.size() + d.data.k.size() + d.data.v.size() +
-                                 d.data.o.size() + d.data.lse.size()) *
-                          4.0 / (1 << 20);
-    std::printf("%8lld %14.1f %16ld %18.0f %12.2f\n", (long long)L, inputs, peak_rss_mib(),
+    double bwd_s = 0;
+    if (bopt != nullptr) {
+      d.data.d_o = uniform({pt.B, pt.Hq, pt.Lq, pt.Dv}, 1, 3);
+      const attention_gradients g = d.data.gradients();
+      const auto t1 = clock_type::now();
+      cpu::attention_backward(d.data.problem(), g, *bopt);
+      bwd_s = seconds_since(t1);
+    }
+    double elements = double(d.data.q.size() + d.data.k.size() + d.data.v.size() + d.data.o.size() +
+                             d.data.lse.size());
+    if (bopt != nullptr)
+      elements +=
+          double(d.data.d_o.size() + d.data.dq.size() + d.data.dk.size() + d.data.dv.size());
+    const double inputs = elements * 4.0 / (1 << 20);
+    std::printf("%8lld %14.1f %16ld %18.0f %12.2f", (long long)L, inputs, peak_rss_mib(),
                 double(L) * double(L) * 4.0 / (1 << 20), s);
+    if (bopt != nullptr) std::printf("  %10.2f", bwd_s);
+    std::printf("\n");
     std::fflush(stdout);
   }
 }
@@ -370,8 +387,11 @@ int run_bench(const bench_options& opt) {
   if (copt.instruction_set != cpu::isa::automatic && !cpu::supported(copt.instruction_set))
     throw problem_error(std::string("isa: expected an instruction set this processor runs, got '") +
                         opt.isa + "'");
+  cpu::options bopt = copt;  // the backward: same instruction set, its own tiles
+  bopt.tile_q = opt.bwd_tile_q;
+  bopt.tile_k = opt.bwd_tile_k;
   if (opt.memory_check) {
-    memory_check(copt);
+    memory_check(copt, opt.backward ? &bopt : nullptr);
     return 0;
   }
   const cpu::isa used =
@@ -427,7 +447,8 @@ int run_bench(const bench_options& opt) {
     points.push_back({dec, "target"});
   }
 
-  std::map<std::string, double> dense_time;  // shape key -> cpu dense time
+  std::map<std::string, double> dense_time;      // shape key -> cpu dense time
+  std::map<std::string, double> dense_bwd_time;  // shape key -> cpu backward dense time
   auto shape_key = [](const bench_point& p) {
     return std::to_string(p.B) + "/" + std::to_string(p.Hq) + "/" + std::to_string(p.Lq) + "/" +
            std::to_string(p.Lk) + "/" + std::to_string(p.D);
@@ -473,6 +494,30 @@ int run_bench(const bench_options& opt) {
       recs.push_back(r);
       if (!(opt.baselines && b == "cpu" && (pt.mask == "dense" || pt.mask == "causal"))) {
         print_record(recs.back());
+      }
+      if (b == "cpu" && opt.backward && pt.mask != "decode") {
+        // The backward from the forward just timed: SPEC §9 counts 2.5 x the forward's FLOPs.
+        d.data.d_o = uniform({pt.B, pt.Hq, pt.Lq, pt.Dv}, opt.seed, 3);
+        const attention_gradients g = d.data.gradients();
+        bench_record w = r;
+        w.backend = "cpu_backward";
+        w.flops = 2.5 * r.flops;
+        w.threads = cpu::make_backward_plan(d.p, bopt).threads;
+        w.median_s = median_time([&] { cpu::attention_backward(d.p, g, bopt); }, opt.seconds);
+        w.gflops = w.flops / w.median_s * 1e-9;
+        w.peak_fraction = peak > 0 ? w.gflops / peak : 0;
+        w.vs_naive = w.vs_reference = 0;
+        w.vs_dense = 0;
+        if (pt.mask == "dense") dense_bwd_time[shape_key(pt)] = w.median_s;
+        if (pt.mask != "dense" && dense_bwd_time.count(shape_key(pt)))
+          w.vs_dense = w.median_s / dense_bwd_time[shape_key(pt)];
+        char ratio[64];
+        std::snprintf(ratio, sizeof ratio, ", %.2f x the forward's GFLOP/s", w.gflops / r.gflops);
+        w.note += ratio;
+        for (float x : d.data.dq)
+          ok = ok && !std::isnan(x);
+        recs.push_back(w);
+        print_record(w);
       }
     }
     // The naive OpenBLAS attention on the same dense and causal points.
@@ -557,6 +602,10 @@ void add_bench(CLI::App& app, exit_slot status) {
   cmd->add_option("--json", opt->json, "write the records as JSON to this file");
   cmd->add_option("--plot", opt->plot, "write GFLOP/s vs sequence length as SVG to this file");
   cmd->add_flag("!--no-targets", opt->targets, "skip the target points");
+  cmd->add_flag("--backward", opt->backward,
+                "also time the CPU backward (SPEC §9: 2.5 x the forward's FLOPs) at every point");
+  cmd->add_option("--bwd-tile-q", opt->bwd_tile_q, "CPU backward query tile (0: its default)");
+  cmd->add_option("--bwd-tile-k", opt->bwd_tile_k, "CPU backward key tile (0: its default)");
   cmd->add_flag("!--no-baselines", opt->baselines, "skip peak FMA, copy, OpenBLAS and reference");
   cmd->add_flag("--memory-check", opt->memory_check,
                 "only report peak resident memory for causal L = 8192 ... 32768");

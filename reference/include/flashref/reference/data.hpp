@@ -10,6 +10,7 @@
 
 #include <xtensor/xtensor.hpp>
 
+#include "flashref/reference/backward.hpp"
 #include "flashref/reference/problem.hpp"
 
 namespace flashref {
@@ -30,17 +31,21 @@ struct attention_options {
 // How q, k, v and o are stored: [B, H, L, D] (PyTorch) or [B, L, H, D] (FlashAttention).
 enum class tensor_layout { bhld, blhd };
 
-// The outputs of the forward pass (the backward's gradients join them).
+// The outputs of the forward pass and of the backward (SPEC §9).
 struct attention_outputs {
   xt::xtensor<float, 4> o;    // (B, Hq, Lq, Dv) in the problem's layout
   xt::xtensor<float, 3> lse;  // (B, Hq, Lq), natural log
+  xt::xtensor<float, 4> dq;   // (B, Hq, Lq, D)  in the problem's layout
+  xt::xtensor<float, 4> dk;   // (B, Hk, Lk, D)
+  xt::xtensor<float, 4> dv;   // (B, Hk, Lk, Dv)
 };
 
 // One problem with its storage.
 struct problem_data : attention_outputs {
-  xt::xtensor<float, 4> q;  // (B, Hq, Lq, D)  — (B, Lq, Hq, D) when layout is blhd
-  xt::xtensor<float, 4> k;  // (B, Hk, Lk, D)  — (B, Lk, Hk, D)
-  xt::xtensor<float, 4> v;  // (B, Hk, Lk, Dv) — (B, Lk, Hk, Dv)
+  xt::xtensor<float, 4> q;    // (B, Hq, Lq, D)  — (B, Lq, Hq, D) when layout is blhd
+  xt::xtensor<float, 4> k;    // (B, Hk, Lk, D)  — (B, Lk, Hk, D)
+  xt::xtensor<float, 4> v;    // (B, Hk, Lk, Dv) — (B, Lk, Hk, Dv)
+  xt::xtensor<float, 4> d_o;  // (B, Hq, Lq, Dv) the backward's upstream gradient, or empty
   attention_options opt;
   tensor_layout layout = tensor_layout::bhld;
 
@@ -50,6 +55,9 @@ struct problem_data : attention_outputs {
   attention_problem problem();
   // Inputs only (the output views are null): for readers such as the naive reference.
   attention_problem inputs() const;
+  // The backward's tensors over this storage: d_o as stored, dQ, dK, dV (re)allocated first
+  // when their shapes are not those of q, k, v. Not validated (validate_backward does).
+  attention_gradients gradients();
 };
 
 // The problem over caller-owned [B, H, L, D] xtensors, without copies; o and lse are allocated

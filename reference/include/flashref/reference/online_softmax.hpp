@@ -10,6 +10,9 @@
 //   st.absorb(sum_j p_j);  acc += sum_j p_j * v_j;
 //   auto [out_scale, lse] = st.finalize();  // out = acc * out_scale
 //
+// The backward pass rebuilds a finished row from its LSE alone (FlashAttention's recomputation):
+//   p_j = online_softmax<T>::from_lse(lse).prob(score_j);  // exp(score_j - LSE), 0 if masked
+//
 // Invariant after every step, over the keys seen so far:  s == Σ exp(score_j - m)  and
 // acc == Σ exp(score_j - m) v_j, with m the largest score seen (or -inf if none was visible).
 
@@ -66,6 +69,12 @@ struct online_softmax {
   // The unnormalised probability of a score relative to the current max: exp(score - m).
   // A masked key (score == -inf) gives exactly 0.
   FLASHREF_INLINE T prob(T score) const { return detail::exp_(score - exp_base(m)); }
+
+  // A finished row as a state: m = LSE and s = 1, since Σ exp(score_j - LSE) = 1. Its prob()
+  // is the backward's recomputation P_j = exp(score_j - LSE) (SPEC §9) through the guard above:
+  // an empty row (LSE = -inf, every score masked to -inf) gives exp(-inf - 0) = 0, never the
+  // NaN of exp(-inf - (-inf)).
+  FLASHREF_INLINE static online_softmax from_lse(T lse) { return {lse, T(1)}; }
 
   // s = s * exp_old; the caller applies the same factor to its accumulator (acc *= exp_old).
   FLASHREF_INLINE void rescale(T exp_old) { s *= exp_old; }

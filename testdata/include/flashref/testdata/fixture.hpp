@@ -3,11 +3,12 @@
 // layer. docs/fixtures.md describes the layout for readers in any language.
 //
 //   problem file   /inputs/q, k, v (+ block_mask, kv_len) and optional root attributes
-//   fixture        a problem file with every attribute, /golden/o, /golden/lse, and /trace
-//                  for the spec cases
+//   fixture        a problem file with every attribute, /golden/o, /golden/lse, /trace for
+//                  the spec cases, and for the backward (SPEC §9) /inputs/do with
+//                  /golden/dq, dk, dv
 //   result file    /o (B, Hq, Lq, Dv) and /lse (B, Hq, Lq), written by `flashref run` or by
-//                  any other kernel; any HDF5 float type; `flashref run` adds the root
-//                  attributes backend, case and inputs_digest
+//                  any other kernel; any HDF5 float type; optionally /dq, /dk, /dv;
+//                  `flashref run` adds the root attributes backend, case and inputs_digest
 
 #include <cstdint>
 #include <filesystem>
@@ -16,6 +17,7 @@
 
 #include <xtensor/xtensor.hpp>
 
+#include "flashref/reference/backward.hpp"
 #include "flashref/reference/conformance.hpp"
 #include "flashref/reference/data.hpp"
 #include "flashref/reference/naive.hpp"
@@ -37,7 +39,8 @@ float round_to(input_dtype dtype, float x);
 // type) when present. Every root attribute is optional: scale = 1/sqrt(D), causal = none,
 // window_left = window_right = -1, block_q = block_k = 0, input_dtype = float32. Other groups
 // (/golden, /trace, ...) are ignored. The tensors are stored [B, H, L, D]; O and LSE are
-// allocated. The problem is validated; a bfloat16/float16 input_dtype
+// allocated. /inputs/do (B, Hq, Lq, Dv), the backward's upstream gradient, is read into d_o
+// when present. The problem is validated; a bfloat16/float16 input_dtype
 // requires every input value to be representable in it. Throws problem_error naming the file.
 problem_data read_problem(const h5::file& f);
 problem_data read_problem(const std::filesystem::path& path);
@@ -60,10 +63,13 @@ struct fixture {
   tolerance tol;                    // atol (already scaled by max|V|), rtol, atol_lse
   reference::golden golden;         // float64 o (B, Hq, Lq, Dv) and lse (B, Hq, Lq)
   std::optional<spec_trace> trace;  // spec cases only
+  // The backward (SPEC §9): float64 dQ, dK, dV of Σ O ∘ dO for in.d_o; absent when the case
+  // states why in its description.
+  std::optional<reference::golden_gradients> grads;
 };
 
-// Reads a fixture: a problem file plus every fixture attribute and /golden (and /trace when
-// present), shapes checked against the inputs.
+// Reads a fixture: a problem file plus every fixture attribute and /golden (and /trace, and
+// /golden/dq, dk, dv with /inputs/do, when present), shapes checked against the inputs.
 fixture read_fixture(const std::filesystem::path& path);
 fixture read_fixture(const h5::file& f);
 // Writes a fixture atomically (temporary file in the same folder, then rename).
@@ -104,16 +110,26 @@ struct result {
   xt::xtensor<double, 4> o;    // (B, Hq, Lq, Dv)
   xt::xtensor<double, 3> lse;  // (B, Hq, Lq); empty when the file has no /lse
   bool has_lse = true;
+  // The backward's gradients, each present or not: (B, Hq, Lq, D), (B, Hk, Lk, D/Dv).
+  std::optional<xt::xtensor<double, 4>> dq, dk, dv;
 };
 
 // Reads /o and /lse of any HDF5 float type; their shapes must be those of the golden result.
-// /lse is optional (not every kernel exposes it): without it only O can be judged.
-result read_result(const std::filesystem::path& path, const reference::golden& golden);
-result read_result(const h5::file& f, const reference::golden& golden);
+// /lse is optional (not every kernel exposes it): without it only O can be judged. /dq, /dk,
+// /dv are read when present, with the shapes of `grads` (a file holding one without the
+// fixture having golden gradients is refused).
+result read_result(const std::filesystem::path& path, const reference::golden& golden,
+                   const reference::golden_gradients* grads = nullptr);
+result read_result(const h5::file& f, const reference::golden& golden,
+                   const reference::golden_gradients* grads = nullptr);
 // Writes /o and /lse as float32 atomically; `backend` is recorded as a root attribute, and so
 // are `case_name` and `digest` (inputs_digest) when not empty.
 void write_result(const std::filesystem::path& path, const xt::xtensor<float, 4>& o,
                   const xt::xtensor<float, 3>& lse, const std::string& backend,
+                  const std::string& case_name = {}, const std::string& digest = {});
+// The same with the backward's /dq, /dk, /dv (float32) beside /o and /lse when with_gradients.
+void write_result(const std::filesystem::path& path, const attention_outputs& out,
+                  const std::string& backend, bool with_gradients,
                   const std::string& case_name = {}, const std::string& digest = {});
 
 }  // namespace flashref::testdata

@@ -1,0 +1,297 @@
+// The backward pass of SPEC §9 in the reference: the naive float64 golden gradients checked
+// against finite differences of the naive float64 forward, then the scalar tiled backward
+// against the golden gradients over every mask, alone and combined, edge cases first.
+#include <catch2/catch.hpp>
+
+#include "../common/backward_check.hpp"
+#include "flashref/reference/backward.hpp"
+#include "flashref/reference/naive.hpp"
+#include "flashref/reference/online_softmax.hpp"
+#include "flashref/reference/tiled.hpp"
+
+using flashref::causal_mode;
+using flashref::problem_data;
+using flashref::test::add_upstream_gradient;
+using flashref::test::check_backward_against_naive;
+using flashref::test::problem_shape;
+using flashref::test::random_problem;
+
+namespace {
+
+// Forward (tiled reference, float32 O and LSE as a backend stores them), then the tiled
+// backward from those stored values, judged against the golden gradients.
+void run_and_check(const problem_shape& s, std::uint64_t seed,
+                   flashref::reference::tile_shape tile = {}, double score_offset = 0.0) {
+  CAPTURE(s.describe(), score_offset, seed, tile.q, tile.k);
+  problem_data d = random_problem(s, seed);
+  flashref::test::offset_scores(d, score_offset);
+  flashref::reference::tiled_attention(d.problem());
+  add_upstream_gradient(d, seed);
+  flashref::reference::tiled_attention_backward(d.problem(), d.gradients(), tile);
+  FLASHREF_REQUIRE_GRADIENTS_CONFORM(check_backward_against_naive(d));
+}
+
+// f = Σ O ∘ dO in float64 from the naive forward.
+double loss(problem_data& d) {
+  const flashref::reference::golden g = flashref::reference::naive_attention(d.inputs());
+  const flashref::strided<const float, 4> d_o = d.gradients().d_o;
+  double f = 0.0;
+  std::size_t n = 0;
+  for (std::int64_t b = 0; b < d_o.shape[0]; ++b)
+    for (std::int64_t h = 0; h < d_o.shape[1]; ++h)
+      for (std::int64_t i = 0; i < d_o.shape[2]; ++i)
+        for (std::int64_t x = 0; x < d_o.shape[3]; ++x)
+          f += g.o[n++] * double(d_o(b, h, i, x));
+  return f;
+}
+
+// Central differences of the float64 forward against the golden gradient of one input
+// (row-major storage, the problem's views point into it). The step is a power of two, so
+// x ± h is exact in float32 for the |x| < 2^10 used here.
+void check_finite_differences(problem_data& d, xt::xtensor<float, 4>& x,
+                              const std::vector<double>& grad, const char* name) {
+  constexpr double kStep = 0x1p-10;
+  double max_grad = 0.0;
+  for (double gval : grad)
+    max_grad = std::max(max_grad, std::abs(gval));
+  for (std::size_t n = 0; n < x.size(); ++n) {
+    float& at = x.data()[n];
+    const float x0 = at;
+    at = float(double(x0) + kStep);
+    const double up = loss(d);
+    at = float(double(x0) - kStep);
+    const double down = loss(d);
+    at = x0;
+    const double fd = (up - down) / (2.0 * kStep);
+    CAPTURE(name, n, fd, grad[n]);
+    // Truncation error of a central difference is O(h^2 f'''): ~1e-6 at these magnitudes.
+    REQUIRE(std::abs(fd - grad[n]) <= 1e-5 * (1.0 + max_grad));
+  }
+}
+
+}  // namespace
+
+TEST_CASE("golden backward: the recomputation goes through the state's guard", "[backward]") {
+  using state = flashref::online_softmax<double>;
+  // An empty row: LSE = -inf and every score masked to -inf. Unguarded, exp(-inf - (-inf)).
+  REQUIRE(std::isnan(std::exp(-INFINITY - -INFINITY)));
+  REQUIRE(state::from_lse(-INFINITY).prob(-INFINITY) == 0.0);
+  // A finished row: Σ_j exp(S_j - LSE) = 1.
+  const double s0 = 0.3, s1 = -1.2, lse = std::log(std::exp(s0) + std::exp(s1));
+  const state row = state::from_lse(lse);
+  REQUIRE(row.prob(s0) + row.prob(s1) == Approx(1.0).epsilon(1e-15));
+  REQUIRE(row.prob(-INFINITY) == 0.0);
+}
+
+TEST_CASE("golden backward: finite differences of the float64 forward", "[backward]") {
+  problem_shape s;
+  s.B = 2, s.Hq = 2, s.Hk = 1, s.Lq = 5, s.Lk = 6, s.D = 3, s.Dv = 2;
+  SECTION("dense, GQA, Dv != D") {}
+  SECTION("causal with empty rows") {
+    s.Lq = 7, s.Lk = 4, s.causal = causal_mode::bottom_right;
+  }
+  SECTION("block mask, window and kv_len") {
+    s.block_q = 2, s.block_k = 3, s.block_density = 0.6, s.window_left = 3;
+    s.use_kv_len = true;
+  }
+  SECTION("[B, L, H, D] layout") {
+    s.blhd = true, s.causal = causal_mode::top_left;
+  }
+  CAPTURE(s.describe());
+  problem_data d = random_problem(s, 21);
+  add_upstream_gradient(d, 21);
+  const flashref::reference::golden_gradients gold =
+      flashref::reference::naive_attention_backward(d.problem(), d.gradients().d_o);
+  // The views of a [B, L, H, D] problem are not row-major: perturb storage, map gradients.
+  auto storage_order = [&](const std::vector<double>& grad, std::int64_t H, std::int64_t L,
+                           std::int64_t X) {
+    if (!s.blhd) return grad;
+    std::vector<double> out(grad.size());
+    for (std::int64_t b = 0; b < s.B; ++b)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t i = 0; i < L; ++i)
+          for (std::int64_t x = 0; x < X; ++x)
+            out[std::size_t(((b * L + i) * H + h) * X + x)] =
+                grad[std::size_t(((b * H + h) * L + i) * X + x)];
+    return out;
+  };
+  check_finite_differences(d, d.q, storage_order(gold.dq, s.Hq, s.Lq, s.D), "dq");
+  check_finite_differences(d, d.k, storage_order(gold.dk, s.Hk, s.Lk, s.D), "dk");
+  check_finite_differences(d, d.v, storage_order(gold.dv, s.Hk, s.Lk, s.Dv), "dv");
+}
+
+TEST_CASE("golden backward: empty rows and unseen keys are exactly zero", "[backward]") {
+  problem_shape s;
+  s.B = 2, s.Lq = 9, s.Lk = 4, s.causal = causal_mode::bottom_right, s.use_kv_len = true;
+  problem_data d = random_problem(s, 22);
+  add_upstream_gradient(d, 22);
+  const auto gold = flashref::reference::naive_attention_backward(d.problem(), d.gradients().d_o);
+  // Batch entry 0 has kv_len = 0: every row empty, every key unseen.
+  std::int64_t empty = 0, unseen = 0;
+  for (std::size_t r = 0; r < gold.row_empty.size(); ++r) {
+    if (!gold.row_empty[r]) continue;
+    ++empty;
+    for (std::int64_t x = 0; x < s.D; ++x)
+      REQUIRE(gold.dq[r * std::size_t(s.D) + std::size_t(x)] == 0.0);
+  }
+  for (std::size_t j = 0; j < gold.key_unseen.size(); ++j) {
+    if (!gold.key_unseen[j]) continue;
+    ++unseen;
+    for (std::int64_t x = 0; x < s.D; ++x)
+      REQUIRE(gold.dk[j * std::size_t(s.D) + std::size_t(x)] == 0.0);
+    for (std::int64_t x = 0; x < s.Dv; ++x)
+      REQUIRE(gold.dv[j * std::size_t(s.Dv) + std::size_t(x)] == 0.0);
+  }
+  REQUIRE(empty >= s.Lq + (s.Lq - s.Lk));  // all of batch 0, the top rows of batch 1
+  REQUIRE(unseen >= s.Lk);
+}
+
+TEST_CASE("tiled backward: edge cases", "[backward]") {
+  problem_shape s;
+  SECTION("zero-sized dimensions are valid") {
+    for (auto dims :
+         {std::array<std::int64_t, 4>{0, 1, 4, 4}, {1, 0, 4, 4}, {1, 1, 0, 4}, {1, 1, 4, 0}}) {
+      s.B = dims[0], s.Hq = dims[1], s.Hk = 1, s.Lq = dims[2], s.Lk = dims[3];
+      run_and_check(s, 1);
+    }
+    s = {};
+    s.D = 0;
+    run_and_check(s, 1);
+    s = {};
+    s.Dv = 0;
+    run_and_check(s, 1);
+  }
+  SECTION("causal with more queries than keys: empty rows next to full rows in one tile") {
+    s.Lq = 20, s.Lk = 7, s.causal = causal_mode::bottom_right;
+    run_and_check(s, 2, {16, 4});
+    s.causal = causal_mode::top_left;
+    run_and_check(s, 2, {16, 4});
+  }
+  SECTION("causal with fewer queries than keys: keys no row sees") {
+    s.Lq = 5, s.Lk = 37, s.causal = GENERATE(causal_mode::bottom_right, causal_mode::top_left);
+    run_and_check(s, 3, {4, 8});
+  }
+  SECTION("kv_len = 0 next to normal entries, kv_len cutting a tile") {
+    s.B = 4, s.Lq = 9, s.Lk = 33, s.use_kv_len = true;
+    run_and_check(s, 4, {4, 8});
+  }
+  SECTION("block masks with sizes that divide nothing, all empty and all full") {
+    s.Lq = 50, s.Lk = 70, s.block_q = 7, s.block_k = 9;
+    s.block_density = GENERATE(0.0, 0.3, 1.0);
+    run_and_check(s, 5, {16, 32});
+    run_and_check(s, 5, {3, 5});
+  }
+  SECTION("broadcast block masks, GQA with an empty row in one head of a group") {
+    s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 24, s.Lk = 40, s.block_q = 8, s.block_k = 8;
+    s.mask_broadcast_b = GENERATE(false, true);
+    s.mask_broadcast_h = GENERATE(false, true);
+    run_and_check(s, 6);
+  }
+  SECTION("local windows, including empty ones") {
+    s.Lq = 30, s.Lk = 20;
+    s.window_left = GENERATE(-1, 0, 3);
+    s.window_right = GENERATE(-1, 0, 2);
+    run_and_check(s, 7, {8, 8});
+  }
+  SECTION("GQA, MQA and Dv != D in the [B, L, H, D] layout") {
+    s.B = 2, s.Hq = 8, s.Hk = GENERATE(1, 2, 8), s.Lq = 13, s.Lk = 29, s.D = 7, s.Dv = 5;
+    s.blhd = true;
+    run_and_check(s, 8);
+  }
+  SECTION("scores of magnitude 1e3: P comes from the stored LSE") {
+    s.Lq = 9, s.Lk = 41, s.D = 16;
+    run_and_check(s, 9, {4, 8}, 1000.0);
+    s.causal = causal_mode::bottom_right, s.Lq = 50, s.block_q = 8, s.block_k = 8;
+    run_and_check(s, 9, {16, 16}, 1000.0);
+  }
+}
+
+TEST_CASE("tiled backward: every mask combined", "[backward]") {
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 37, s.Lk = 53, s.D = 6, s.Dv = 3;
+  s.causal = GENERATE(causal_mode::none, causal_mode::bottom_right, causal_mode::top_left);
+  s.window_left = GENERATE(-1, 5);
+  s.block_q = GENERATE(0, 6);
+  s.block_k = s.block_q == 0 ? 0 : 11;
+  s.use_kv_len = GENERATE(false, true);
+  run_and_check(s, 10, {8, 16});
+}
+
+TEST_CASE("tiled backward: random problems", "[backward]") {
+  const std::uint64_t seed = GENERATE(range(0, 60));
+  const problem_shape s = flashref::test::well_conditioned(flashref::test::random_shape(seed));
+  run_and_check(s, seed, {1 + std::int64_t(seed % 17), 1 + std::int64_t((seed * 7) % 33)});
+}
+
+TEST_CASE("tiled backward: results do not depend on its tile sizes", "[backward]") {
+  problem_shape s;
+  s.B = 1, s.Hq = 2, s.Lq = 41, s.Lk = 67, s.D = 8, s.Dv = 8, s.block_q = 5, s.block_k = 13;
+  s.causal = causal_mode::bottom_right;
+  problem_data a = random_problem(s, 11);
+  flashref::reference::tiled_attention(a.problem());
+  add_upstream_gradient(a, 11);
+  problem_data b = a;
+  flashref::reference::tiled_attention_backward(a.problem(), a.gradients(), {1, 1});
+  flashref::reference::tiled_attention_backward(b.problem(), b.gradients(), {64, 64});
+  for (std::size_t n = 0; n < a.dq.size(); ++n)
+    REQUIRE(a.dq.data()[n] == Approx(b.dq.data()[n]).margin(1e-6));
+  for (std::size_t n = 0; n < a.dk.size(); ++n)
+    REQUIRE(a.dk.data()[n] == Approx(b.dk.data()[n]).margin(1e-6));
+  for (std::size_t n = 0; n < a.dv.size(); ++n)
+    REQUIRE(a.dv.data()[n] == Approx(b.dv.data()[n]).margin(1e-6));
+}
+
+TEST_CASE("tiled backward: a wrong dQ, an empty row's dQ or an unseen key's dK is caught",
+          "[backward]") {
+  problem_shape s;
+  s.Lq = 10, s.Lk = 6, s.causal = causal_mode::bottom_right;
+  problem_data d = random_problem(s, 13);
+  flashref::reference::tiled_attention(d.problem());
+  add_upstream_gradient(d, 13);
+  flashref::reference::tiled_attention_backward(d.problem(), d.gradients());
+  REQUIRE(check_backward_against_naive(d).pass());
+  SECTION("a finite error in a visible row") {
+    d.dq.data()[9 * 4] += 1e-2f;
+    const auto r = check_backward_against_naive(d);
+    REQUIRE(r.dq.bad_elements == 1);
+    REQUIRE(r.dk.pass());
+  }
+  SECTION("NaN in an empty row (unguarded exp(-inf - (-inf)))") {
+    d.dq.data()[0] = NAN;  // row 0 is empty: Lq - Lk = 4 top rows see nothing
+    const auto r = check_backward_against_naive(d);
+    REQUIRE(r.dq.zero_rows == 4);
+    REQUIRE(r.dq.zero_rows_nan == 1);
+  }
+  SECTION("a non-zero dQ in an empty row") {
+    d.dq.data()[1] = 1e-30f;
+    REQUIRE(check_backward_against_naive(d).dq.zero_rows_nonzero == 1);
+  }
+  SECTION("an empty row's contribution to dK of a key it cannot see") {
+    problem_shape t = s;
+    t.Lq = 3, t.Lk = 8;
+    t.causal = causal_mode::top_left;  // row i sees keys j <= i: keys 3..7 are seen by no row
+    problem_data e = random_problem(t, 14);
+    flashref::reference::tiled_attention(e.problem());
+    add_upstream_gradient(e, 14);
+    flashref::reference::tiled_attention_backward(e.problem(), e.gradients());
+    REQUIRE(check_backward_against_naive(e).pass());
+    e.dk.data()[7 * 4 + 2] = 1e-20f;
+    const auto r = check_backward_against_naive(e);
+    REQUIRE(r.dk.zero_rows == 5);
+    REQUIRE(r.dk.zero_rows_nonzero == 1);
+  }
+}
+
+TEST_CASE("backward: validation names the field", "[backward]") {
+  problem_shape s;
+  problem_data d = random_problem(s, 15);
+  add_upstream_gradient(d, 15);
+  flashref::attention_gradients g = d.gradients();
+  g.dk.shape[2] = 7;
+  REQUIRE_THROWS_WITH(flashref::reference::tiled_attention_backward(d.problem(), g),
+                      "dk: expected shape [1, 1, 8, 4], got [1, 1, 7, 4]");
+  flashref::attention_problem p = d.problem();
+  p.lse.data = nullptr;
+  REQUIRE_THROWS_WITH(flashref::reference::tiled_attention_backward(p, d.gradients()),
+                      Catch::Contains("lse: expected the forward's LSE"));
+}
