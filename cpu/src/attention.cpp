@@ -17,6 +17,7 @@
 #endif
 
 #include "flashref/cpu/half.hpp"
+#include "flashref/reference/limits.hpp"
 #include "flashref/reference/merge.hpp"
 #include "kernel.hpp"
 
@@ -41,8 +42,9 @@ constexpr std::int64_t kMinItems = 128;       // aim for at least this many work
 constexpr std::int64_t kMinChunkKeys = 1024;  // never cut the keys finer than this
 constexpr std::int64_t kMaxTile = 4096;       // largest tile_q / tile_k accepted
 
+// ceil(a / b) for a >= 0, b > 0, without forming a + b - 1 (b may be as large as 2^63 - 1).
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
-  return (a + b - 1) / b;
+  return a == 0 ? 0 : (a - 1) / b + 1;
 }
 
 // The kernels of a half path: nullptr for convert (the instruction set's own kernels).
@@ -254,6 +256,7 @@ plan make_plan(const attention_problem& p, const options& opt) {
   } else if (items > 0 && items < kMinItems && Lk >= 2 * kMinChunkKeys) {
     chunk = std::max(kMinChunkKeys, ceil_div(Lk, ceil_div(kMinItems, items)));
   }
+  chunk = std::min(chunk, Lk);                     // a chunk beyond the keys is no split
   chunk = ceil_div(chunk, pl.tile_k) * pl.tile_k;  // chunks hold whole tiles
   pl.kv_splits = Lk > 0 && chunk < Lk ? ceil_div(Lk, chunk) : 1;
   pl.kv_chunk = pl.kv_splits > 1 ? chunk : Lk;
@@ -336,6 +339,10 @@ void run(const attention_problem& p, const storage_of& st, const options& opt) {
   // shapes split, so this stays small.
   std::vector<float> part_o, part_lse;
   if (splits > 1) {
+    check_allocation("cpu: split-KV partial results",
+                     checked_product({std::uint64_t(splits), std::uint64_t(B), std::uint64_t(Hq),
+                                      std::uint64_t(Lq), std::uint64_t(Dv) + 1, sizeof(float)}),
+                     std::to_string(splits) + " key chunks of O and LSE");
     part_o.resize(std::size_t(splits * B * Hq * Lq * Dv));
     part_lse.resize(std::size_t(splits * B * Hq * Lq));
   }

@@ -3,6 +3,8 @@
 #include <cmath>
 #include <limits>
 
+#include "flashref/reference/limits.hpp"
+
 namespace flashref::reference {
 
 namespace {
@@ -11,11 +13,13 @@ namespace {
 // golden reference must not inherit a bug of the tiled paths.
 bool naive_visible(const attention_problem& p, std::int64_t b, std::int64_t h, std::int64_t i,
                    std::int64_t j) {
-  const std::int64_t offset = p.len_k() - p.len_q();
-  if (p.causal == causal_mode::bottom_right && j > i + offset) return false;
+  // How far key j lies right of query i's bottom-right diagonal. Compared with the window
+  // sizes as a distance, never added to them: a window may be as wide as 2^63 - 1.
+  const std::int64_t past_diagonal = j - i - (p.len_k() - p.len_q());
+  if (p.causal == causal_mode::bottom_right && past_diagonal > 0) return false;
   if (p.causal == causal_mode::top_left && j > i) return false;
-  if (p.window_left >= 0 && j < i + offset - p.window_left) return false;
-  if (p.window_right >= 0 && j > i + offset + p.window_right) return false;
+  if (p.window_left >= 0 && past_diagonal < -p.window_left) return false;
+  if (p.window_right >= 0 && past_diagonal > p.window_right) return false;
   if (p.kv_len != nullptr && j >= p.kv_len[b]) return false;
   if (p.has_block_mask()) {
     const std::int64_t mb = p.block_mask.shape[0] == 1 ? 0 : b;
@@ -35,6 +39,13 @@ golden naive_attention(const attention_problem& p) {
   const double scale = p.softmax_scale();
   const double kInf = std::numeric_limits<double>::infinity();
 
+  // Golden O and LSE in float64, and one row's scores and visibility: checked before allocated.
+  const auto o_lse = checked_product(
+      {std::uint64_t(B), std::uint64_t(Hq), std::uint64_t(Lq), std::uint64_t(Dv) + 1, 8});
+  const auto scores = checked_product({std::uint64_t(Lk), 9});
+  check_allocation("reference: golden O and LSE",
+                   o_lse && scores ? checked_sum({*o_lse, *scores}) : std::nullopt,
+                   "float64 O (B, Hq, Lq, Dv), LSE (B, Hq, Lq) and a row of Lk scores");
   golden g;
   g.o_shape = {B, Hq, Lq, Dv};
   g.o.assign(std::size_t(B * Hq * Lq * Dv), 0.0);

@@ -1,6 +1,7 @@
 #include "flashref/reference/problem.hpp"
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -9,6 +10,8 @@
 namespace flashref {
 
 namespace {
+
+constexpr std::uint64_t kMaxIndex = std::uint64_t(std::numeric_limits<std::int64_t>::max());
 
 // "[2, 4, 128, 64]"; a negative entry is printed as '*' (a free dimension).
 template <std::size_t R>
@@ -27,6 +30,15 @@ std::string shape_str(const std::array<std::int64_t, R>& s) {
   return os.str();
 }
 
+// "[4096, 0, -64, 1]": every entry as it is (strides may be zero or negative).
+template <std::size_t R>
+std::string numbers_str(const std::array<std::int64_t, R>& s) {
+  std::string out = "[";
+  for (std::size_t d = 0; d < R; ++d)
+    out += (d ? ", " : "") + std::to_string(s[d]);
+  return out + "]";
+}
+
 [[noreturn]] void fail(const std::string& field, const std::string& expected,
                        const std::string& got) {
   throw problem_error(field + ": expected " + expected + ", got " + got);
@@ -36,8 +48,28 @@ template <class T, int R>
 void check_view(const char* name, const strided<T, R>& v) {
   for (auto n : v.shape)
     if (n < 0) fail(name, "non-negative dimensions", shape_str(v.shape));
-  if (v.data == nullptr && v.size() > 0)
-    fail(name, "a data pointer for " + std::to_string(v.size()) + " elements", "null");
+  // Sizes and offsets are int64 everywhere: the element count and the furthest element's
+  // offset must fit one (a corrupt descriptor must not overflow the index arithmetic).
+  std::uint64_t count = 1;
+  for (auto n : v.shape) {
+    if (__builtin_mul_overflow(count, std::uint64_t(n), &count) || count > kMaxIndex)
+      fail(name, "at most 2^63 - 1 elements", shape_str(v.shape) + " (the count overflows)");
+  }
+  if (count == 0) return;
+  std::uint64_t reach = 0;
+  for (int d = 0; d < R; ++d) {
+    const std::uint64_t step =
+        v.stride[d] < 0 ? 0 - std::uint64_t(v.stride[d]) : std::uint64_t(v.stride[d]);
+    std::uint64_t span = 0;
+    if (v.stride[d] == std::numeric_limits<std::int64_t>::min() ||
+        __builtin_mul_overflow(std::uint64_t(v.shape[d] - 1), step, &span) ||
+        __builtin_add_overflow(reach, span, &reach) || reach > kMaxIndex) {
+      fail(name, "element offsets below 2^63",
+           "shape " + shape_str(v.shape) + " with strides " + numbers_str(v.stride));
+    }
+  }
+  if (v.data == nullptr)
+    fail(name, "a data pointer for " + std::to_string(count) + " elements", "null");
 }
 
 // Compare against an expected shape in which -1 means "any".
@@ -50,8 +82,9 @@ void check_shape(const char* name, const strided<T, R>& v, std::array<std::int64
   }
 }
 
+// ceil(a / b) for a >= 0, b > 0, without forming a + b - 1 (b may be as large as 2^63 - 1).
 std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
-  return (a + b - 1) / b;
+  return a == 0 ? 0 : (a - 1) / b + 1;
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 
 #include <xtensor/xadapt.hpp>
 
+#include "flashref/reference/limits.hpp"
 #include "flashref/reference/mask.hpp"
 
 namespace flashref::testdata {
@@ -39,7 +40,67 @@ void check_representable(const h5::file& f, const char* path, const xt::xtensor<
   }
 }
 
-problem_data read_problem_impl(const h5::file& f) {
+// The product of a dataset's dims, or nothing on overflow.
+std::optional<std::uint64_t> count_of(const std::vector<std::size_t>& dims) {
+  std::optional<std::uint64_t> n = 1;
+  for (const std::size_t d : dims)
+    n = n ? checked_product({*n, std::uint64_t(d)}) : n;
+  return n;
+}
+
+std::string dims_str(const std::vector<std::size_t>& dims) {
+  std::string s = "[";
+  for (std::size_t d = 0; d < dims.size(); ++d)
+    s += (d ? ", " : "") + std::to_string(dims[d]);
+  return s + "]";
+}
+
+// What reading the problem (and, for a fixture, its golden float64 O and LSE) will allocate,
+// from the datasets' declared shapes alone, checked against the memory budget before any
+// dataset is read: q, k, v as float32, O and LSE as float32 for the result, the block mask
+// (and the 64-bit buffer its integers are range-checked through).
+void check_problem_memory(const h5::file& f, bool with_golden) {
+  // A dataset that is missing or malformed counts as empty here: loading it reports that, in
+  // the readers' own order (q before k before v).
+  const auto declared = [&](const char* path) {
+    try {
+      return h5::shape_of(f, path);
+    } catch (const problem_error&) {
+      return std::vector<std::size_t>{};
+    }
+  };
+  const auto q = declared("/inputs/q"), k = declared("/inputs/k"), v = declared("/inputs/v");
+  std::vector<std::optional<std::uint64_t>> parts = {checked_product({count_of(q).value_or(0), 4}),
+                                                     checked_product({count_of(k).value_or(0), 4}),
+                                                     checked_product({count_of(v).value_or(0), 4})};
+  for (const auto* d : {&q, &k, &v})
+    if (!count_of(*d)) parts.push_back(std::nullopt);
+  if (q.size() == 4 && v.size() == 4) {  // O (B, Hq, Lq, Dv) and LSE (B, Hq, Lq)
+    const std::uint64_t per_value = with_golden ? 4 + 8 : 4;
+    parts.push_back(checked_product({q[0], q[1], q[2], v[3], per_value}));
+    parts.push_back(checked_product({q[0], q[1], q[2], per_value}));
+    if (f.has("/inputs/do"))  // the backward's upstream gradient, O's shape in float32
+      parts.push_back(checked_product({q[0], q[1], q[2], v[3], 4}));
+  }
+  if (with_golden && f.has("/golden/dq")) {  // float64 dQ, dK, dV: the shapes of q, k, v
+    for (const auto* d : {&q, &k, &v})
+      parts.push_back(count_of(*d) ? checked_product({*count_of(*d), 8}) : std::nullopt);
+  }
+  if (f.has("/inputs/block_mask")) {
+    const auto m = count_of(declared("/inputs/block_mask"));
+    parts.push_back(m ? checked_product({*m, 1 + 8}) : std::nullopt);
+  }
+  std::optional<std::uint64_t> total = 0;
+  for (const auto& p : parts)
+    total = total && p ? checked_sum({*total, *p}) : std::nullopt;
+  check_allocation(f.name() + ": the problem's storage", total,
+                   "q " + dims_str(q) + ", k " + dims_str(k) + ", v " + dims_str(v) +
+                       (with_golden ? ", their outputs and the golden float64 O and LSE"
+                                    : " and their outputs"));
+}
+
+problem_data read_problem_impl(const h5::file& f, bool with_golden) {
+  check_problem_memory(f, with_golden);
   problem_data in;
   in.q = h5::load<float, 4>(f, "/inputs/q");
   in.k = h5::load<float, 4>(f, "/inputs/k");
@@ -121,9 +182,10 @@ float round_to(input_dtype dtype, float x) {
   return std::fabs(r) > 65504.0f ? std::copysign(INFINITY, x) : r;
 }
 
-problem_data read_problem(const h5::file& f) {
+// read_problem, with the golden result's storage in the memory check when with_golden.
+static problem_data read_problem_for(const h5::file& f, bool with_golden) {
   try {
-    return read_problem_impl(f);
+    return read_problem_impl(f, with_golden);
   } catch (const problem_error& e) {
     const std::string msg = e.what();
     if (msg.rfind(f.name() + ":", 0) == 0) throw;
@@ -131,14 +193,21 @@ problem_data read_problem(const h5::file& f) {
   }
 }
 
+problem_data read_problem(const h5::file& f) {
+  return read_problem_for(f, /*with_golden=*/false);
+}
+
 problem_data read_problem(const std::filesystem::path& path) {
   return read_problem(h5::file::open(path));
 }
 
 fixture read_fixture(const std::filesystem::path& path) {
-  const h5::file f = h5::file::open(path);
+  return read_fixture(h5::file::open(path));
+}
+
+fixture read_fixture(const h5::file& f) {
   fixture fx;
-  fx.in = read_problem(f);
+  fx.in = read_problem_for(f, /*with_golden=*/true);
   const std::int64_t version = h5::read_int_attr(f, kRoot, "format_version");
   if (version < 1 || version > kFormatVersion) {
     f.fail("/ attribute 'format_version'", "1.." + std::to_string(kFormatVersion),
@@ -177,6 +246,11 @@ fixture read_fixture(const std::filesystem::path& path) {
     fx.grads = std::move(g);
   }
   if (f.has("/trace")) {
+    // The trace's length is its own (one entry per tile): bounded before it is read.
+    const std::vector<std::size_t> tiles = h5::shape_of(f, "/trace/m");
+    const std::optional<std::uint64_t> n = count_of(tiles);
+    check_allocation(f.name() + ":/trace", n ? checked_product({*n, 3 * 8}) : std::nullopt,
+                     "/trace/m, s and exp_old of " + dims_str(tiles) + " float64 values");
     spec_trace t;
     t.tile = h5::read_int_attr(f, "/trace", "tile");
     t.m = h5::load<double, 1>(f, "/trace/m");
@@ -346,7 +420,10 @@ std::string inputs_digest(const problem_data& in) {
 }
 
 result_info read_result_info(const std::filesystem::path& path) {
-  const h5::file f = h5::file::open(path);
+  return read_result_info(h5::file::open(path));
+}
+
+result_info read_result_info(const h5::file& f) {
   result_info info;
   info.case_name = attr_if_present(f, "case");
   info.inputs_digest = attr_if_present(f, "inputs_digest");
@@ -358,7 +435,11 @@ result_info read_result_info(const std::filesystem::path& path) {
 
 result read_result(const std::filesystem::path& path, const reference::golden& golden,
                    const reference::golden_gradients* grads) {
-  const h5::file f = h5::file::open(path);
+  return read_result(h5::file::open(path), golden, grads);
+}
+
+result read_result(const h5::file& f, const reference::golden& golden,
+                   const reference::golden_gradients* grads) {
   const auto& s = golden.o_shape;
   result r;
   r.o = h5::load<double, 4>(

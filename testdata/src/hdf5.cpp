@@ -516,6 +516,24 @@ file file::open(const fs::path& path) {
   return file(id, name);
 }
 
+file file::open_image(const void* data, std::size_t size, const std::string& name) {
+  silence_hdf5();
+  if (size == 0) throw problem_error(name + ": expected an HDF5 file, got 0 bytes");
+  // The core driver keeps the file in memory and writes nothing back (no backing store);
+  // H5Pset_file_image hands it a copy of the bytes.
+  handle fapl(H5Pcreate(H5P_FILE_ACCESS), H5Pclose);
+  if (!fapl.ok() || H5Pset_fapl_core(fapl.get(), 64 * 1024, /*backing_store=*/0) < 0 ||
+      H5Pset_file_image(fapl.get(), const_cast<void*>(data), size) < 0) {
+    throw problem_error(name + ": expected an in-memory file image, got " + hdf5_reason());
+  }
+  const hid_t id = H5Fopen(name.c_str(), H5F_ACC_RDONLY, fapl.get());
+  if (id < 0) {
+    throw problem_error(name + ": expected an intact HDF5 file, got one HDF5 cannot open (" +
+                        hdf5_reason() + ")");
+  }
+  return file(id, name);
+}
+
 file file::create(const fs::path& path) {
   silence_hdf5();
   const std::string name = path.string();

@@ -10,6 +10,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -181,6 +182,23 @@ TEST_CASE("cpu: options are validated", "[cpu]") {
   }
   p.k.shape[3] = 3;  // the problem itself is validated
   REQUIRE_THROWS_AS(flashref::cpu::attention(p), flashref::problem_error);
+}
+
+// A split-KV chunk near 2^63 overflowed while being rounded up to whole tiles (the same
+// ceil_div that fuzzing caught in validate()). A chunk beyond the keys is no split at all.
+TEST_CASE("cpu: a kv_chunk of any size plans without overflow", "[cpu]") {
+  problem_shape s;
+  s.Lk = 3000;
+  flashref::problem_data d = flashref::test::random_problem(s, 71);
+  for (const std::int64_t chunk :
+       {std::int64_t(3000), std::int64_t(1) << 40, std::numeric_limits<std::int64_t>::max()}) {
+    flashref::cpu::options opt;
+    opt.kv_chunk = chunk;
+    const flashref::cpu::plan pl = flashref::cpu::make_plan(d.problem(), opt);
+    CAPTURE(chunk);
+    CHECK(pl.kv_splits == 1);
+    CHECK(pl.kv_chunk == 3000);
+  }
 }
 
 TEST_CASE("cpu: the peak FMA microbenchmark measures something", "[cpu]") {
@@ -420,5 +438,33 @@ TEST_CASE("cpu: the bf16 dot-product paths run their own arithmetic", "[cpu][hal
     flashref::cpu::attention(d.problem(), with_half(h));
     FLASHREF_REQUIRE_CONFORMS(check_against_naive(d, flashref::input_dtype::bfloat16));
     REQUIRE(!same_bits(d.o, base.o));
+
+// Found by fuzzing (fuzz_validate): a window as wide as 2^63 - 1 overflowed the visibility
+// arithmetic (i + (Lk - Lq) - window_left) in the naive reference, and the same sum in the
+// row intervals every tiled path shares (mask_spec::row_range). Such a window hides nothing.
+TEST_CASE("cpu and reference: windows as wide as 2^63 - 1 equal no window", "[cpu]") {
+  constexpr std::int64_t kWide = std::numeric_limits<std::int64_t>::max();
+  for (const causal_mode causal : {causal_mode::none, causal_mode::bottom_right}) {
+    problem_shape s;
+    s.Lq = 37, s.Lk = 21, s.causal = causal;
+    flashref::problem_data plain = flashref::test::random_problem(s, 72);
+    flashref::problem_data wide = plain;
+    wide.opt.window_left = wide.opt.window_right = kWide;
+    CAPTURE(flashref::to_string(causal));
+    flashref::cpu::attention(plain.problem());
+    flashref::cpu::attention(wide.problem());
+    const bool same_o = plain.o == wide.o;
+    CHECK(same_o);
+    FLASHREF_REQUIRE_CONFORMS(check_against_naive(wide));
+    const auto g_plain = flashref::reference::naive_attention(plain.inputs());
+    const auto g_wide = flashref::reference::naive_attention(wide.inputs());
+    CHECK(g_plain.lse == g_wide.lse);
+    // One side wide, the other narrow: the narrow side still applies.
+    wide.opt.window_right = 0;
+    plain.opt.window_right = 0;
+    flashref::cpu::attention(plain.problem());
+    flashref::cpu::attention(wide.problem());
+    const bool same_narrow = plain.o == wide.o;
+    CHECK(same_narrow);
   }
 }

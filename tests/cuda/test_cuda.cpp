@@ -12,7 +12,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "../common/catalogue.hpp"
@@ -425,5 +427,142 @@ TEST_CASE("cuda passes every golden fixture, float32 and half-precision paths",
       fc::attention(p, kernel);
       FLASHREF_REQUIRE_CONFORMS(flashref::compare(fx.golden, o.data(), lse.data(), fx.tol));
     }
+  }
+}
+
+namespace {
+
+// Throws (rather than REQUIRE, which is not thread-safe) on a CUDA error.
+void cuda_or_throw(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+struct stream_result {
+  std::vector<float> o, lse;  // (B, Hq, Lq, Dv), (B, Hq, Lq) row-major
+};
+
+// The device entry on one stream, callable from any thread: q, k, v uploaded in `input`
+// (float32, or bfloat16 when every value is representable), O and LSE in float32. Row-major
+// [B, H, L, D] problems only (random_problem without blhd).
+stream_result run_on_stream(const flashref::problem_data& op, input_dtype input,
+                            cudaStream_t stream) {
+  const flashref::attention_problem p = op.inputs();
+  std::vector<void*> allocations;
+  struct freer {
+    std::vector<void*>& a;
+    ~freer() {
+      for (void* x : a)
+        cudaFree(x);
+    }
+  } release{allocations};
+  auto upload = [&](const void* host, std::size_t bytes) {
+    void* d = nullptr;
+    cuda_or_throw(cudaMalloc(&d, bytes == 0 ? 1 : bytes), "cudaMalloc");
+    allocations.push_back(d);
+    cuda_or_throw(cudaMemcpyAsync(d, host, bytes, cudaMemcpyHostToDevice, stream), "upload");
+    return d;
+  };
+  std::vector<std::vector<std::uint16_t>> bits;  // kept alive until the stream is synchronized
+  auto tensor = [&](const xt::xtensor<float, 4>& x) -> const void* {
+    if (input == input_dtype::float32) return upload(x.data(), x.size() * sizeof(float));
+    bits.emplace_back(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i)
+      bits.back()[i] = bf16_bits(x.data()[i]);
+    return upload(bits.back().data(), x.size() * 2);
+  };
+  fc::device_problem dp;
+  dp.input = input;
+  dp.output = input_dtype::float32;
+  dp.q = {tensor(op.q), p.q.shape, p.q.stride};
+  dp.k = {tensor(op.k), p.k.shape, p.k.stride};
+  dp.v = {tensor(op.v), p.v.shape, p.v.stride};
+  const std::int64_t B = p.batch(), Hq = p.heads_q(), Lq = p.len_q(), Dv = p.head_dim_v();
+  stream_result r;
+  r.o.resize(std::size_t(B * Hq * Lq * Dv));
+  r.lse.resize(std::size_t(B * Hq * Lq));
+  dp.o = {upload(r.o.data(), r.o.size() * 4), {B, Hq, Lq, Dv}, {Hq * Lq * Dv, Lq * Dv, Dv, 1}};
+  dp.lse = {upload(r.lse.data(), r.lse.size() * 4), {B, Hq, Lq}, {Hq * Lq, Lq, 1}};
+  dp.scale = p.scale;
+  dp.causal = p.causal;
+  dp.window_left = p.window_left;
+  dp.window_right = p.window_right;
+  if (p.has_block_mask()) {
+    const auto& mask = op.opt.block_mask;
+    dp.block_mask = {upload(mask.data(), mask.size()), p.block_mask.shape, p.block_mask.stride};
+    dp.block_q = p.block_q;
+    dp.block_k = p.block_k;
+  }
+  if (p.kv_len != nullptr) {
+    const auto& kv = op.opt.kv_len;
+    dp.kv_len = static_cast<const std::int32_t*>(upload(kv.data(), kv.size() * 4));
+  }
+  fc::attention(dp, stream);
+  cuda_or_throw(
+      cudaMemcpyAsync(r.o.data(), dp.o.data, r.o.size() * 4, cudaMemcpyDeviceToHost, stream),
+      "download O");
+  cuda_or_throw(
+      cudaMemcpyAsync(r.lse.data(), dp.lse.data, r.lse.size() * 4, cudaMemcpyDeviceToHost, stream),
+      "download LSE");
+  cuda_or_throw(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+  return r;
+}
+
+}  // namespace
+
+// 8 host threads, each on its own stream with its own problem (float32 on the SIMT kernel,
+// bfloat16 on the tensor-core kernels), all at once: each result is bit for bit the one the
+// same call gives alone (the forward pass is deterministic run to run).
+TEST_CASE("cuda: 8 threads on 8 streams at once give the serial results", "[cuda][concurrency]") {
+  constexpr int kThreads = 8;
+  std::vector<flashref::problem_data> problems;
+  std::vector<input_dtype> dtypes;
+  for (int t = 0; t < kThreads; ++t) {
+    problem_shape s;
+    s.B = 1 + t % 2, s.Hk = 1 + t % 2, s.Hq = 2 * s.Hk, s.Lq = 100 + 61 * t, s.Lk = 300 + 53 * t;
+    s.D = s.Dv = t % 4 < 2 ? 64 : 128;
+    s.causal = t % 3 == 0 ? causal_mode::bottom_right : causal_mode::none;
+    if (t % 2 == 1) s.block_q = 64, s.block_k = 96, s.block_density = 0.5;
+    s.use_kv_len = t % 4 == 3;
+    problems.push_back(flashref::test::random_problem(s, 300 + std::uint64_t(t)));
+    dtypes.push_back(t % 2 == 0 ? input_dtype::float32 : input_dtype::bfloat16);
+    if (dtypes.back() == input_dtype::bfloat16)
+      flashref::test::round_inputs(problems.back(), input_dtype::bfloat16);
+  }
+  std::vector<cudaStream_t> streams(kThreads);
+  for (cudaStream_t& s : streams)
+    cuda_check(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  std::vector<stream_result> serial;
+  for (int t = 0; t < kThreads; ++t)
+    serial.push_back(
+        run_on_stream(problems[std::size_t(t)], dtypes[std::size_t(t)], streams[std::size_t(t)]));
+  std::vector<stream_result> parallel(kThreads);
+  std::vector<std::string> errors(kThreads);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      const std::size_t i = std::size_t(t);
+      try {
+        parallel[i] = run_on_stream(problems[i], dtypes[i], streams[i]);
+      } catch (const std::exception& e) {
+        errors[i] = e.what();
+      }
+    });
+  }
+  for (std::thread& th : threads)
+    th.join();
+  for (cudaStream_t s : streams)
+    cuda_check(cudaStreamDestroy(s));
+  for (int t = 0; t < kThreads; ++t) {
+    const std::size_t i = std::size_t(t);
+    CAPTURE(t, flashref::to_string(dtypes[i]));
+    CHECK(errors[i].empty());
+    CHECK(parallel[i].o == serial[i].o);
+    CHECK(std::memcmp(parallel[i].lse.data(), serial[i].lse.data(), serial[i].lse.size() * 4) == 0);
+    // And the serial result itself is right.
+    const flashref::reference::golden g =
+        flashref::reference::naive_attention(problems[i].inputs());
+    FLASHREF_REQUIRE_CONFORMS(
+        compare(g, serial[i].o.data(), serial[i].lse.data(),
+                default_tolerance(dtypes[i], flashref::test::max_abs(problems[i].v))));
   }
 }

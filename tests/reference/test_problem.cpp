@@ -2,6 +2,8 @@
 // the actual value. Plus the online-softmax state's named steps and the mask helper.
 #include <catch2/catch.hpp>
 
+#include <limits>
+
 #include "../common/problem.hpp"
 #include "flashref/reference/mask.hpp"
 #include "flashref/reference/naive.hpp"
@@ -31,6 +33,14 @@ TEST_CASE("validation names the field, the expected and the actual value", "[val
     p.block_mask.shape = {3, 4, 16, 16};
     REQUIRE_THROWS_WITH(flashref::validate(p),
                         "block_mask: expected shape [2, 4, 16, 16], got [3, 4, 16, 16]");
+  }
+  SECTION("block sizes near 2^63 (found by fuzzing: ceil_div overflowed)") {
+    p.block_q = std::numeric_limits<std::int64_t>::max();
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        "block_mask: expected shape [2, 4, 1, 16], got [2, 4, 16, 16]");
+    p.block_q = 4, p.block_k = std::numeric_limits<std::int64_t>::max() - 1;
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        "block_mask: expected shape [2, 4, 16, 1], got [2, 4, 16, 16]");
   }
   SECTION("block sizes") {
     p.block_q = 0;
@@ -85,6 +95,39 @@ TEST_CASE("validation names the field, the expected and the actual value", "[val
     REQUIRE_THROWS_WITH(
         flashref::validate(p),
         Catch::StartsWith("block_mask: expected a mask when block_q/block_k are set"));
+  }
+  SECTION("element counts and offsets that overflow 64 bits") {
+    // 2^22 * 2^22 * 2^22 elements of q: the count overflows int64, whatever the strides.
+    p.q.shape = {std::int64_t(1) << 22, std::int64_t(1) << 22, std::int64_t(1) << 22, 8};
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        "q: expected at most 2^63 - 1 elements, got [4194304, 4194304, 4194304, "
+                        "8] (the count overflows)");
+    // A count that fits, with strides that reach past 2^63.
+    p.q.shape = {2, 4, 64, 8};
+    p.k.stride = {0, 0, std::int64_t(1) << 60, 1};
+    REQUIRE_THROWS_WITH(
+        flashref::validate(p),
+        "k: expected element offsets below 2^63, got shape [2, 2, 64, 8] with strides [0, 0, "
+        "1152921504606846976, 1]");
+    p.k.stride = {0, 0, std::numeric_limits<std::int64_t>::min(), 1};
+    REQUIRE_THROWS_WITH(flashref::validate(p),
+                        Catch::StartsWith("k: expected element offsets below 2^63"));
+    // Broadcast (stride 0) and negative strides within range are offsets like any other.
+    p.k.stride = {0, -8, 0, 1};
+    p.k.data += 8;
+    REQUIRE_NOTHROW(flashref::validate(p));
+  }
+  SECTION("the reference checks its own float64 storage against the memory budget") {
+    // Every key of a [1, 1, 2^40, 8] K is the same row (stride 0): the descriptor is valid,
+    // but one row of 2^40 float64 scores is more than any machine here holds.
+    p.k.shape = {2, 2, std::int64_t(1) << 40, 8};
+    p.k.stride = {0, 0, 0, 1};
+    p.v.shape = {2, 2, std::int64_t(1) << 40, 8};
+    p.v.stride = {0, 0, 0, 1};
+    p.block_mask.data = nullptr, p.block_q = p.block_k = 0;
+    REQUIRE_NOTHROW(flashref::validate(p));
+    REQUIRE_THROWS_WITH(flashref::reference::naive_attention(p),
+                        Catch::StartsWith("reference: golden O and LSE: expected at most"));
   }
   SECTION("the naive reference validates too") {
     p.block_q = 0;

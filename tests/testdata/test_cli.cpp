@@ -36,10 +36,10 @@ std::string quoted(const std::filesystem::path& p) {
 }
 
 // Runs `flashref <args>` and collects its exit status, stdout and stderr.
-outcome cli(const std::string& args) {
+outcome cli(const std::string& args, const std::string& env = "") {
   const temp_dir logs;
-  const std::string cmd = quoted(FLASHREF_CLI) + " " + args + " >" + quoted(logs / "out") + " 2>" +
-                          quoted(logs / "err");
+  const std::string cmd = (env.empty() ? "" : env + " ") + quoted(FLASHREF_CLI) + " " + args +
+                          " >" + quoted(logs / "out") + " 2>" + quoted(logs / "err");
   const int status = std::system(cmd.c_str());
   outcome o;
   o.rc = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -616,6 +616,15 @@ TEST_CASE("cli: bad input is one line on stderr, exit status 2, and no output fi
     }
     require_bad_input(cli("run --problem " + quoted(dir / "int.h5") + to_out),
                       "int.h5:/inputs/q: expected a float type, got int32");
+    no_output();
+  }
+  SECTION("a problem larger than the memory budget, refused before it is read") {
+    REQUIRE(cli("run --problem " + fixture_path("spec_random") + to_out).rc == 0);
+    std::filesystem::remove(out);
+    const outcome big =
+        cli("run --problem " + fixture_path("spec_random") + to_out, "FLASHREF_MEMORY_LIMIT=100");
+    require_bad_input(big, "spec_random.h5: the problem's storage: expected at most 100 bytes");
+    CHECK_THAT(big.err, Contains("(FLASHREF_MEMORY_LIMIT), got "));
     no_output();
   }
   SECTION("unknown and unavailable backends") {

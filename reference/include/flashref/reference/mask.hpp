@@ -44,8 +44,10 @@ struct mask_spec {
     if (kv_len != nullptr && kv_len[b] < hi) hi = kv_len[b];
     if (causal == causal_mode::bottom_right && diag + 1 < hi) hi = diag + 1;
     if (causal == causal_mode::top_left && i + 1 < hi) hi = i + 1;
-    if (window_right >= 0 && diag + window_right + 1 < hi) hi = diag + window_right + 1;
-    if (window_left >= 0 && diag - window_left > lo) lo = diag - window_left;
+    // Windows may be as wide as 2^63 - 1: compared as distances from the diagonal, so that
+    // diag + window is formed only when it lies inside [lo, hi].
+    if (window_right >= 0 && window_right < hi - diag - 1) hi = diag + window_right + 1;
+    if (window_left >= 0 && window_left < diag - lo) lo = diag - window_left;
     return {lo, hi};
   }
 

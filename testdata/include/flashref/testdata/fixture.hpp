@@ -71,6 +71,7 @@ struct fixture {
 // Reads a fixture: a problem file plus every fixture attribute and /golden (and /trace, and
 // /golden/dq, dk, dv with /inputs/do, when present), shapes checked against the inputs.
 fixture read_fixture(const std::filesystem::path& path);
+fixture read_fixture(const h5::file& f);
 // Writes a fixture atomically (temporary file in the same folder, then rename).
 void write_fixture(const std::filesystem::path& path, const fixture& fx);
 
@@ -102,6 +103,7 @@ struct result_info {
   std::string lse_dtype;                     // of /lse; empty when the file has none
 };
 result_info read_result_info(const std::filesystem::path& path);
+result_info read_result_info(const h5::file& f);
 
 // A result file: O and LSE of some kernel on a problem.
 struct result {
@@ -117,6 +119,8 @@ struct result {
 // /dv are read when present, with the shapes of `grads` (a file holding one without the
 // fixture having golden gradients is refused).
 result read_result(const std::filesystem::path& path, const reference::golden& golden,
+                   const reference::golden_gradients* grads = nullptr);
+result read_result(const h5::file& f, const reference::golden& golden,
                    const reference::golden_gradients* grads = nullptr);
 // Writes /o and /lse as float32 atomically; `backend` is recorded as a root attribute, and so
 // are `case_name` and `digest` (inputs_digest) when not empty.

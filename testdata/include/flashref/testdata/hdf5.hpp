@@ -27,6 +27,10 @@ class file {
  public:
   // Read-only. A missing, unreadable, non-HDF5 or truncated file throws problem_error.
   static file open(const std::filesystem::path& path);
+  // Read-only, from the bytes of an HDF5 file in memory (HDF5's core driver over a file
+  // image; nothing touches the disk). `name` stands for the file in messages. Bytes that are
+  // not an intact HDF5 file throw problem_error, as open() does.
+  static file open_image(const void* data, std::size_t size, const std::string& name);
   // Creates (truncates) a file for writing.
   static file create(const std::filesystem::path& path);
 

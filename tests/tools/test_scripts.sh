@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# The scripts fail loudly: arguments are checked first, paths resolved before any change of
+# folder, and a stage whose tool fails makes the whole script fail. The GPU tools are stubs on
+# PATH (each stub does what its name says: a failing ncu, a passing test binary...), so this
+# runs on any machine.
+#
+# usage: test_scripts.sh SOURCE_DIR
+set -uo pipefail
+root=$(cd "$1" && pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+failures=0
+
+# expect NAME RC REGEX -- command...: the exit status is RC and stdout+stderr match REGEX.
+expect() {
+  local name=$1 rc=$2 regex=$3
+  shift 4
+  local got log=$work/log
+  "$@" >"$log" 2>&1
+  got=$?
+  if [[ $got -ne $rc ]] || ! grep -qE -- "$regex" "$log"; then
+    echo "FAIL $name: expected exit $rc and /$regex/, got exit $got:"
+    sed 's/^/  | /' "$log"
+    failures=$((failures + 1))
+  else
+    echo "ok   $name"
+  fi
+}
+
+# A pack with a flashref and a test_cuda that pass, and GPU tools as stubs.
+stub() {  # stub DIR NAME EXIT-STATUS [OUTPUT]
+  mkdir -p "$1"
+  printf '#!/bin/sh\necho "%s"\nexit %s\n' "${4:-$2 stub}" "$3" >"$1/$2"
+  chmod +x "$1/$2"
+}
+pack=$work/pack
+stub "$pack/bin" test_cuda 0 "All tests passed"
+mkdir -p "$pack/lib"
+cat >"$pack/bin/flashref" <<'STUB'
+#!/bin/sh
+# bench-gpu --json FILE: writes FILE
+if [ "$1" = bench-gpu ] && [ "$2" = --json ]; then echo '[]' >"$3"; fi
+echo "flashref stub $*"
+STUB
+chmod +x "$pack/bin/flashref"
+tools=$work/tools
+stub "$tools" nvidia-smi 0 "name, driver_version"
+stub "$tools" compute-sanitizer 0 "ERROR SUMMARY: 0 errors"
+stub "$tools" cuobjdump 0 "HMMA.16816"
+stub "$tools" ncu 1 "==ERROR== profiling failed"
+stub "$tools" python3 0 "torch stub"
+base_path=$tools:/usr/bin:/bin
+
+round=$root/scripts/gpu-round
+expect "gpu-round without arguments" 2 "usage: scripts/gpu-round" -- "$round"
+expect "gpu-round with three arguments" 2 "usage: scripts/gpu-round" -- "$round" a b c
+expect "gpu-round with a missing pack" 2 "pack: expected a folder or a .tar.xz.*no such path" \
+  -- env PATH="$base_path" "$round" "$work/out" "$work/no-such-pack"
+expect "gpu-round with a pack without bin/flashref" 2 "pack: expected .*/bin/flashref" \
+  -- env PATH="$base_path" "$round" "$work/out" "$work/tools"
+expect "gpu-round with an unknown stage" 2 "GPU_ROUND_STAGES: expected .* got 'profle'" \
+  -- env PATH="$base_path" GPU_ROUND_STAGES="tests profle" "$round" "$work/out" "$pack"
+expect "gpu-round with an OUT_DIR that cannot be made" 2 "OUT_DIR: expected a folder" \
+  -- env PATH="$base_path" "$round" "$pack/bin/flashref/out" "$pack"
+stub "$work/smi-only" nvidia-smi 0 "name, driver_version"
+expect "gpu-round without ncu for the profile stage" 2 "expected ncu on PATH" \
+  -- env PATH="$work/smi-only:/usr/bin:/bin" GPU_ROUND_STAGES="profile" "$round" "$work/out" "$pack"
+# A relative pack and OUT_DIR, from another folder: resolved before anything changes folder.
+expect "gpu-round with relative paths, every stage passing" 0 "tests: exit 0.*" \
+  -- env PATH="$base_path" GPU_ROUND_STAGES="tests sanitize bench" \
+  bash -c "cd '$work' && '$round' rel-out pack"
+[[ -f $work/rel-out/bench_cuda.json ]] || {
+  echo "FAIL relative OUT_DIR: no $work/rel-out/bench_cuda.json"
+  failures=$((failures + 1))
+}
+expect "gpu-round: a failing ncu fails the round" 1 "profile: exit 1" \
+  -- env PATH="$base_path" GPU_ROUND_STAGES="tests profile" "$round" "$work/out" "$pack"
+expect "gpu-round: torch without a bench result fails, not skips" 1 "torch comparison: not run" \
+  -- env PATH="$base_path" GPU_ROUND_STAGES="torch" "$round" "$work/out2" "$pack"
+stub "$work/failing-smi" nvidia-smi 9 "NVIDIA-SMI has failed"
+expect "gpu-round: no usable GPU fails the round" 1 "nvidia-smi: exit 9" \
+  -- env PATH="$work/failing-smi:$base_path" GPU_ROUND_STAGES="tests" "$round" "$work/out3" "$pack"
+stub "$work/failing-pack/bin" test_cuda 1 "test cases: 3 | 1 failed"
+cp "$pack/bin/flashref" "$work/failing-pack/bin/flashref"
+expect "gpu-round: failing CUDA tests fail the round" 1 "tests: exit 1" \
+  -- env PATH="$base_path" GPU_ROUND_STAGES="tests" "$round" "$work/out4" "$work/failing-pack"
+
+gpu_pack=$root/scripts/gpu-pack
+expect "gpu-pack without arguments" 2 "usage: scripts/gpu-pack" -- "$gpu_pack"
+expect "gpu-pack refuses to empty / as its pack folder" 2 "PACK_DIR: expected a folder of its own" \
+  -- "$gpu_pack" /
+expect "gpu-pack refuses the source tree" 2 "PACK_DIR: expected a folder of its own" \
+  -- "$gpu_pack" "$root"
+
+report=$root/scripts/conformance-report
+expect "conformance-report without arguments" 2 "usage: scripts/conformance-report" -- "$report"
+expect "conformance-report with a missing pack" 2 "no such path" \
+  -- env PATH="$base_path" "$report" "$work/cr" "$work/no-such-pack"
+expect "conformance-report with an OUT_DIR that cannot be made" 2 "OUT_DIR: expected a folder" \
+  -- env PATH="$base_path" "$report" "$pack/bin/flashref/x" "$pack"
+
+bench=$root/scripts/bench-cpu-vs-torch
+expect "bench-cpu-vs-torch without flashref" 2 "flashref: expected an executable" \
+  -- "$bench" "$work/b" --flashref "$work/no-such-flashref"
+expect "bench-cpu-vs-torch with bad --threads" 2 "--threads: expected positive counts" \
+  -- "$bench" "$work/b" --flashref "$pack/bin/flashref" --threads 2,x
+
+if [[ $failures -ne 0 ]]; then
+  echo "$failures script checks failed"
+  exit 1
+fi
+echo "every script check passed"
