@@ -20,7 +20,13 @@ mkdir -p "$work/corpus" "$work/artifacts"
 rc=$?
 grep -E "^#[0-9]+: cov|DONE|INFO: fuzzed for" "$work/fuzz.log" | tail -2
 status=0
-[[ $rc -ne 0 ]] && { echo "libFuzzer exited $rc:"; tail -20 "$work/fuzz.log"; status=1; }
+# In fork mode libFuzzer exits non-zero when a job found something; the artifacts judge that.
+# A non-zero exit with no artifact is a failure of its own (bad flags, a harness that aborts).
+if [[ $rc -ne 0 ]] && [[ -z $(ls -A "$work/artifacts") ]]; then
+  echo "libFuzzer exited $rc without an artifact:"
+  tail -20 "$work/fuzz.log"
+  status=1
+fi
 hdf5=0
 for a in "$work"/artifacts/*; do
   [[ -e $a ]] || continue
