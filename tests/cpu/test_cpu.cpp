@@ -438,6 +438,8 @@ TEST_CASE("cpu: the bf16 dot-product paths run their own arithmetic", "[cpu][hal
     flashref::cpu::attention(d.problem(), with_half(h));
     FLASHREF_REQUIRE_CONFORMS(check_against_naive(d, flashref::input_dtype::bfloat16));
     REQUIRE(!same_bits(d.o, base.o));
+  }
+}
 
 // Found by fuzzing (fuzz_validate): a window as wide as 2^63 - 1 overflowed the visibility
 // arithmetic (i + (Lk - Lq) - window_left) in the naive reference, and the same sum in the
