@@ -395,7 +395,11 @@ std::string attr_repr(const file& f, const std::string& obj, const std::string& 
   handle space(H5Aget_space(a.get()), H5Sclose);
   const std::vector<std::size_t> dims = dims_of(f, where, space.get());
   const std::uint64_t n = element_count(f, where, dims);
-  std::string repr = describe_type(t.get()) + (dims.empty() ? "" : " " + list_str(dims));
+  std::string repr = describe_type(t.get());
+  if (!dims.empty()) {  // appended, not " " + list: GCC 12 misreports -Wrestrict at -O3
+    repr += ' ';
+    repr += list_str(dims);
+  }
   const H5T_class_t cls = H5Tget_class(t.get());
   if (cls == H5T_STRING && n == 1) return repr + " '" + read_string_attr(f, obj, name) + "'";
   std::vector<std::string> values;
