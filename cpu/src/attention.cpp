@@ -13,6 +13,7 @@
 #include <vector>
 
 #if defined(FLASHREF_CPU_X86)
+#include <cpuid.h>
 #include <xmmintrin.h>
 #endif
 
@@ -61,12 +62,26 @@ const kernel_table* table_of(half_path h) {
   }
 }
 
+#if defined(FLASHREF_CPU_X86)
+// CPUID bits that not every compiler's __builtin_cpu_supports knows (clang 14 has neither).
+bool cpuid_bit(unsigned leaf, unsigned subleaf, int reg, unsigned bit) {
+  unsigned r[4] = {0, 0, 0, 0};  // eax, ebx, ecx, edx
+  if (__get_cpuid_count(leaf, subleaf, &r[0], &r[1], &r[2], &r[3]) == 0) return false;
+  return ((r[reg] >> bit) & 1u) != 0;
+}
+bool has_f16c() {
+  return cpuid_bit(1, 0, 2, 29);  // leaf 1, ECX bit 29
+}
+bool has_avx512_bf16() {
+  return cpuid_bit(7, 1, 0, 5);  // leaf 7 subleaf 1, EAX bit 5
+}
+#endif
+
 bool processor_runs(isa i) {
 #if defined(FLASHREF_CPU_X86)
   __builtin_cpu_init();
   if (i == isa::avx2)
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && has_f16c();
   if (i == isa::avx512)
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512dq");
 #endif
@@ -79,7 +94,7 @@ bool processor_runs(half_path h) {
   __builtin_cpu_init();
   const bool avx512 = processor_runs(isa::avx512) && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl");
-  if (h == half_path::avx512_bf16) return avx512 && __builtin_cpu_supports("avx512bf16");
+  if (h == half_path::avx512_bf16) return avx512 && has_avx512_bf16();
   if (h == half_path::amx) return avx512 && detail::amx_granted();
 #endif
   return false;
