@@ -35,7 +35,9 @@ template <int kD>
 struct tiles {
   static_assert(kD % kBoxCols == 0, "whole 64-column boxes");
   static constexpr int kBoxes = kD / kBoxCols;
-  static constexpr int kStages = kD <= 64 ? 3 : 2;
+  // A consumer holds two stages at once (tile j's K, tile j - 1's V), so the producer needs a
+  // third to load ahead: 3 stages at D = 128 (225 KiB with Q), 4 at D = 64.
+  static constexpr int kStages = kD <= 64 ? 4 : 3;
   static constexpr int kQBoxBytes = kTileQ * 128;   // (kTileQ, 64) 16-bit elements
   static constexpr int kKVBoxBytes = kTileK * 128;  // (kTileK, 64)
   static constexpr int kQBytes = kBoxes * kQBoxBytes;
