@@ -10,6 +10,8 @@
 //
 // then releases the stage. When the producer says there are no more tiles the epilogue writes
 // O / sum and LSE; a query tile with no visible key writes (0, -inf) without waiting for Q.
+// Two loops take these steps: in sequence (consume_serial, D = 64), and with one tile's P V
+// running under the next tile's mask and softmax (consume_overlapped, D = 128).
 
 #include <cstdint>
 
@@ -65,8 +67,9 @@ __device__ __forceinline__ void fence_fragments(std::uint32_t (&a)[kN][4]) {
 // (wait<1>), and runs tile j's mask and softmax while P_{j-1} V_{j-1} still runs on the tensor
 // cores; only the rescale of O waits for it (wait<0>). Stage j - 1 is released after that.
 template <class T, int kD>
-__device__ void consume(const kernel_params& p, const tile_work& w, int consumer,
-                        const shared_tiles<kD>& smem, barriers<tiles<kD>::kStages>& bar) {
+__device__ void consume_overlapped(const kernel_params& p, const tile_work& w, int consumer,
+                                   const shared_tiles<kD>& smem,
+                                   barriers<tiles<kD>::kStages>& bar) {
   using t = tiles<kD>;
   constexpr int kS = kTileK / 2;  // accumulator floats of S per thread
   constexpr int kO = kD / 2;      // accumulator floats of O per thread
@@ -154,6 +157,77 @@ __device__ void consume(const kernel_params& p, const tile_work& w, int consumer
   fence_operands(rO);
   release(last);
   store_rows<T>(p, w, at, rO, softmax);
+}
+
+// One consumer's loop, the products in sequence: S_j, its softmax, then P_j V_j, each waited
+// for before the next step (the two consumer warpgroups overlap each other by scheduling).
+template <class T, int kD>
+__device__ void consume_serial(const kernel_params& p, const tile_work& w, int consumer,
+                               const shared_tiles<kD>& smem, barriers<tiles<kD>::kStages>& bar) {
+  using t = tiles<kD>;
+  constexpr int kS = kTileK / 2;  // accumulator floats of S per thread
+  constexpr int kO = kD / 2;      // accumulator floats of O per thread
+  const fragment_coords at(consumer);
+  const tile_mask mask{p.mask, w, p.scale};
+  fragment_softmax softmax;
+  float rO[kO] = {};  // (64, kD) per warpgroup
+
+  bool q_ready = false;
+  for (int it = 0;; ++it) {
+    const int s = it % t::kStages;
+    const unsigned parity = (it / t::kStages) & 1;
+    mbar_wait(&bar.k_full[s], parity);
+    const stage_info info = bar.info[s];  // written before the barrier's arrival
+    if (info.tile == kNoMoreTiles) break;
+    if (!q_ready) {
+      mbar_wait(&bar.q_full, 0);
+      q_ready = true;
+    }
+
+    // S = Q K^T
+    float rS[kS];  // (64, kTileK) per warpgroup
+    wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kD / 16; ++ks)
+      wgmma_ss_n128<T>(rS, smem.q_desc(consumer, ks), smem.k_desc(s, ks), ks > 0 ? 1 : 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(rS);
+
+    mask.apply(rS, at, info.tile, info.full != 0);
+    float exp_old[2];
+    softmax.step(rS, exp_old);
+    rescale_rows(rO, exp_old);
+    std::uint32_t rP[kS / 8][4];  // (64, kTileK) as 16-bit A fragments
+    to_a_fragments<T>(rS, rP);
+
+    // O += P V
+    mbar_wait(&bar.v_full[s], parity);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kTileK / 16; ++kk)
+      pv_product<T, kD>(rO, rP[kk], smem.v_desc(s, kk));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(rO);
+
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(&bar.empty[s]);  // this warp is done with stage s
+  }
+  store_rows<T>(p, w, at, rO, softmax);
+}
+
+// The consumer's loop for head dim kD: overlapped at D = 128, where it is measured faster (P V
+// of 128 columns is long enough to hide a softmax), in sequence at D = 64, where the
+// overlapped loop measured 10 % slower (cuda/NOTES.md, version h4).
+template <class T, int kD>
+__device__ void consume(const kernel_params& p, const tile_work& w, int consumer,
+                        const shared_tiles<kD>& smem, barriers<tiles<kD>::kStages>& bar) {
+  if constexpr (tiles<kD>::kOverlap) {
+    consume_overlapped<T, kD>(p, w, consumer, smem, bar);
+  } else {
+    consume_serial<T, kD>(p, w, consumer, smem, bar);
+  }
 }
 
 }  // namespace flashref::cuda::detail::sm90
