@@ -9,13 +9,13 @@
 #include <algorithm>
 #include <bit>
 #include <cmath>
-#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
 
 #include "../common/catalogue.hpp"
 #include "../common/check.hpp"
+#include "cpu_test.hpp"
 #include "flashref/cpu/attention.hpp"
 #include "flashref/cpu/half.hpp"
 #include "flashref/testdata/fixture.hpp"
@@ -26,16 +26,10 @@ using flashref::cpu::isa;
 using flashref::test::catalogue_case;
 using flashref::test::check_against_naive;
 using flashref::test::problem_shape;
+using flashref::test::same_bits;
+using flashref::test::with_isa;
 
 namespace {
-
-flashref::cpu::options with_isa(isa i, std::int64_t tq = 0, std::int64_t tk = 0) {
-  flashref::cpu::options opt;
-  opt.instruction_set = i;
-  opt.tile_q = tq;
-  opt.tile_k = tk;
-  return opt;
-}
 
 // Runs the backend with every supported instruction set (and the given tiles, split-KV chunk)
 // and checks it.
@@ -49,11 +43,6 @@ void run_and_check(const problem_shape& s, std::uint64_t seed, std::int64_t tq =
     flashref::cpu::attention(d.problem(), opt);
     FLASHREF_REQUIRE_CONFORMS(check_against_naive(d));
   }
-}
-
-template <class X>
-bool same_bits(const X& a, const X& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
 }  // namespace
