@@ -75,16 +75,25 @@ struct backward_report {
   bool pass() const { return dq.pass() && dk.pass() && dv.pass(); }
 };
 
-inline backward_report check_backward_against_naive(problem_data& d,
-                                                    input_dtype dtype = input_dtype::float32) {
+// d's gradients against golden gradients of its inputs and upstream gradient.
+inline backward_report compare_gradients(problem_data& d, const reference::golden_gradients& gold,
+                                         input_dtype dtype = input_dtype::float32) {
   const attention_gradients g = d.gradients();
-  const reference::golden_gradients gold = reference::naive_attention_backward(d.inputs(), g.d_o);
   const attention_problem p = d.inputs();
   backward_report r;
   r.dq = compare_gradient(gold.dq, gather(g.dq).data(), p.head_dim(), gold.row_empty, dtype);
   r.dk = compare_gradient(gold.dk, gather(g.dk).data(), p.head_dim(), gold.key_unseen, dtype);
   r.dv = compare_gradient(gold.dv, gather(g.dv).data(), p.head_dim_v(), gold.key_unseen, dtype);
   return r;
+}
+
+inline reference::golden_gradients golden_gradients_of(problem_data& d) {
+  return reference::naive_attention_backward(d.inputs(), d.gradients().d_o);
+}
+
+inline backward_report check_backward_against_naive(problem_data& d,
+                                                    input_dtype dtype = input_dtype::float32) {
+  return compare_gradients(d, golden_gradients_of(d), dtype);
 }
 
 #define FLASHREF_REQUIRE_GRADIENT_CONFORMS(name, rep)                                             \

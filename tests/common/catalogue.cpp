@@ -2,6 +2,7 @@
 
 #include <catch2/catch.hpp>
 
+#include <array>
 #include <cmath>
 
 #include "backward_check.hpp"
@@ -18,8 +19,8 @@ class builder {
  public:
   explicit builder(std::vector<catalogue_case>& out) : out_(out) {}
   void add(const std::string& name, const problem_shape& s, std::uint64_t seed,
-           bool integer_qk = false) {
-    out_.push_back({name, s, seed, integer_qk});
+           bool integer_qk = false, double score_offset = 0.0) {
+    out_.push_back({name, s, seed, integer_qk, score_offset});
   }
 
  private:
@@ -176,7 +177,7 @@ std::vector<catalogue_case> random_cases(std::uint64_t first_seed, int count) {
   std::vector<catalogue_case> out;
   for (int n = 0; n < count; ++n) {
     const std::uint64_t seed = first_seed + std::uint64_t(n);
-    out.push_back({"random problem", random_shape(seed), seed, false});
+    out.push_back({"random problem", random_shape(seed), seed});
   }
   return out;
 }
@@ -237,22 +238,38 @@ void check_nan_isolation(input_dtype dtype, const runner& run) {
     }
 }
 
-std::vector<catalogue_case> backward_cases() {
+std::vector<catalogue_case> backward_edge_cases() {
   std::vector<catalogue_case> out;
-  for (auto part : {edge_cases(), combined_masks(), random_cases(1, 60)}) {
-    for (catalogue_case c : part) {
-      // Large scores come from large |Q|, |K|, and a float32 score of magnitude S carries an
-      // error of ~S · 6e-8 that dQ, dK multiply by |K|, |Q|: beyond SPEC §9's rule for any
-      // float32 backward (docs/semantics.md, section 8). They run at unit scale here; the
-      // backward's large-score trap is the bwd_large_scores fixture and the backend tests.
-      c.integer_qk = false;
-      c.shape = well_conditioned(c.shape);
-      if (c.shape.window_left == 0 && c.shape.window_right == 0) c.shape.window_right = 1;
-      out.push_back(c);
-    }
-  }
   builder add(out);
   problem_shape s;
+  for (const dims& z : {dims{0, 1, 4, 4}, dims{1, 0, 4, 4}, dims{1, 1, 0, 4}, dims{1, 1, 4, 0}}) {
+    s = {};
+    s.B = z[0], s.Hq = z[1], s.Lq = z[2], s.Lk = z[3];
+    add.add("backward: zero-sized dimension", s, 1);
+  }
+  for (std::int64_t lq : {8, 40}) {
+    s = {};
+    s.Lq = lq, s.D = 0;
+    add.add("backward: D = 0", s, 1);
+    s.D = 4, s.Dv = 0;
+    add.add("backward: Dv = 0", s, 1);
+  }
+  s = {};
+  s.Lq = 40, s.Lk = 0, s.Dv = 3;
+  add.add("backward: no keys, every row empty, dQ = 0", s, 1);
+  for (causal_mode c : {causal_mode::bottom_right, causal_mode::top_left}) {
+    s = {};
+    s.Lq = 20, s.Lk = 7, s.causal = c;
+    add.add("backward: causal, empty rows next to full rows in one tile", s, 2);
+    s.Lq = 150, s.Lk = 70, s.D = s.Dv = 16;
+    add.add("backward: causal, empty rows next to full rows in one tile", s, 2);
+    s = {};
+    s.Lq = 5, s.Lk = 37, s.causal = c;
+    add.add("backward: causal, keys no row sees", s, 3);
+    s.Lq = 67, s.Lk = 301, s.D = s.Dv = 24;
+    add.add("backward: causal, keys no row sees, partial tails", s, 3);
+  }
+  s = {};
   s.D = s.Dv = 64;
   s.Lq = 100, s.Lk = 37, s.causal = causal_mode::bottom_right;
   add.add("backward: empty rows next to full rows in one tile", s, 30);
@@ -260,26 +277,129 @@ std::vector<catalogue_case> backward_cases() {
   s.D = s.Dv = 64;
   s.Lq = 20, s.Lk = 200, s.causal = causal_mode::top_left;
   add.add("backward: keys visible to no row", s, 31);
+  for (auto [lq, lk, d] : {std::array<std::int64_t, 3>{9, 33, 4}, {70, 200, 8}, {2, 200, 8}}) {
+    s = {};
+    s.B = 4, s.Lq = lq, s.Lk = lk, s.D = s.Dv = d, s.use_kv_len = true;
+    add.add("backward: kv_len = 0 next to normal entries, kv_len cutting a tile", s, 4);
+  }
   s = {};
   s.D = s.Dv = 64;
   s.B = 3, s.Lq = 50, s.Lk = 150, s.use_kv_len = true;
   add.add("backward: kv_len cutting a tile", s, 32);
+  for (double density : {0.0, 0.3, 1.0}) {
+    s = {};
+    s.Lq = 50, s.Lk = 70, s.block_q = 7, s.block_k = 9, s.block_density = density;
+    add.add("backward: block mask, sizes that divide nothing, empty to full", s, 5);
+    s.Lq = 100, s.Lk = 170, s.D = s.Dv = 12, s.block_q = 24, s.block_k = 40;
+    add.add("backward: block mask, sizes that divide nothing, empty to full", s, 5);
+    s.block_q = 7, s.block_k = 1;
+    add.add("backward: block mask, sizes that divide nothing, empty to full", s, 5);
+    s.block_q = 1000, s.block_k = 3;
+    add.add("backward: block mask, sizes that divide nothing, empty to full", s, 5);
+  }
+  for (bool bcast_b : {false, true})
+    for (bool bcast_h : {false, true}) {
+      s = {};
+      s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 24, s.Lk = 40, s.block_q = 8, s.block_k = 8;
+      s.mask_broadcast_b = bcast_b, s.mask_broadcast_h = bcast_h;
+      add.add("backward: broadcast block masks, GQA with an empty row in one head of a group", s,
+              6);
+      s.Lq = 96, s.Lk = 160, s.D = s.Dv = 8, s.block_q = 16, s.block_k = 32;
+      s.block_density = 0.4;
+      add.add("backward: broadcast block masks, GQA with an empty row in one head of a group", s,
+              6);
+    }
   s = {};
   s.D = s.Dv = 64;
   s.Hq = 4, s.Hk = 2, s.Lq = 64, s.Lk = 96, s.block_q = 16, s.block_k = 16;
   s.block_density = 0.35;  // head-wise masks: some rows of one head of a group see nothing
   add.add("backward: GQA with an empty row in one head of a group", s, 33);
+  for (std::int64_t left : {-1, 0, 3, 17})
+    for (std::int64_t right : {-1, 0, 2}) {
+      // (0, 0) leaves each row one key, where dQ = dK = 0 exactly and a float32 backward
+      // returns rounding noise no tolerance scaled by max|ref| = 0 admits (well_conditioned).
+      s = {};
+      s.window_left = left, s.window_right = left == 0 && right == 0 ? 1 : right;
+      s.Lq = 30, s.Lk = 20;
+      add.add("backward: local windows, including empty ones", s, 7);
+      s.Lq = 90, s.Lk = 60, s.D = s.Dv = 8;
+      add.add("backward: local windows, including empty ones", s, 7);
+    }
+  for (std::int64_t hk : {1, 2, 8})
+    for (auto [lq, lk, d, dv] :
+         {std::array<std::int64_t, 4>{13, 29, 7, 5}, {45, 131, 37, 19}, {3, 131, 37, 19}}) {
+      s = {};
+      s.B = 2, s.Hq = 8, s.Hk = hk, s.Lq = lq, s.Lk = lk, s.D = d, s.Dv = dv, s.blhd = true;
+      add.add("backward: GQA, MQA and Dv != D in the [B, L, H, D] layout", s, 8);
+    }
+  for (auto [lq, lk, d, dv] : {std::array<std::int64_t, 4>{9, 41, 16, 4}, {40, 90, 16, 16}}) {
+    s = {};
+    s.Lq = lq, s.Lk = lk, s.D = d, s.Dv = dv;
+    add.add("backward: scores of magnitude 1e3, P comes from the stored LSE", s, 9,
+            /*integer_qk=*/false, /*score_offset=*/1000.0);
+    s.causal = causal_mode::bottom_right, s.Lq = lq == 9 ? 50 : lq, s.block_q = 8, s.block_k = 8;
+    add.add("backward: scores of magnitude 1e3, causal and block mask", s, 9,
+            /*integer_qk=*/false, /*score_offset=*/1000.0);
+  }
+  for (causal_mode c : {causal_mode::none, causal_mode::top_left}) {
+    s = {};
+    s.Hq = 2, s.Lq = 33, s.Lk = 1500, s.D = s.Dv = 64, s.causal = c;
+    add.add("backward: long keys, few heads: key tiles split into chunks", s, 10);
+  }
+  // Every mask combined at small and odd head dims (combined_masks has them at 64).
+  for (auto [lq, lk, d, dv, left, seed] :
+       {std::array<std::int64_t, 6>{37, 53, 6, 3, 5, 10}, {77, 141, 20, 12, 25, 20}})
+    for (causal_mode c : {causal_mode::none, causal_mode::bottom_right, causal_mode::top_left})
+      for (std::int64_t l : {std::int64_t(-1), left})
+        for (std::int64_t bq : {0, 6})
+          for (bool kv : {false, true}) {
+            s = {};
+            s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = lq, s.Lk = lk, s.D = d, s.Dv = dv;
+            s.causal = c, s.window_left = l, s.block_q = bq, s.block_k = bq == 0 ? 0 : 11;
+            s.use_kv_len = kv;
+            add.add("backward: every mask combined, small head dims", s, std::uint64_t(seed));
+          }
   return out;
+}
+
+catalogue_case for_backward(catalogue_case c) {
+  // Large scores come from large |Q|, |K|, and a float32 score of magnitude S carries an
+  // error of ~S · 6e-8 that dQ, dK multiply by |K|, |Q|: beyond SPEC §9's rule for any
+  // float32 backward (docs/semantics.md, section 8). They run at unit scale here; the
+  // backward's large-score trap is score_offset (backward_edge_cases) and the bwd_large_scores
+  // fixture.
+  c.integer_qk = false;
+  c.shape = well_conditioned(c.shape);
+  if (c.shape.window_left == 0 && c.shape.window_right == 0) c.shape.window_right = 1;
+  return c;
+}
+
+std::vector<catalogue_case> backward_cases() {
+  std::vector<catalogue_case> out = backward_edge_cases();
+  for (auto part : {edge_cases(), combined_masks(), random_cases(0, 61)})
+    for (const catalogue_case& c : part)
+      out.push_back(for_backward(c));
+  return out;
+}
+
+void check_backward_case(const catalogue_case& c, const std::vector<backward_variant>& variants) {
+  CAPTURE(c.name, c.shape.describe(), c.seed, c.score_offset);
+  problem_data inputs = build(c, input_dtype::float32);
+  offset_scores(inputs, c.score_offset);
+  add_upstream_gradient(inputs, c.seed);  // dO; O, LSE and the gradients poisoned
+  const reference::golden_gradients gold = golden_gradients_of(inputs);
+  for (const backward_variant& v : variants) {
+    CAPTURE(v.name);
+    problem_data d = inputs;
+    v.forward(d.problem());
+    v.backward(d.problem(), d.gradients());
+    FLASHREF_REQUIRE_GRADIENTS_CONFORM(compare_gradients(d, gold));
+  }
 }
 
 void check_backward_case(const catalogue_case& c, const runner& forward,
                          const backward_runner& backward) {
-  CAPTURE(c.name, c.shape.describe(), c.seed);
-  problem_data d = build(c, input_dtype::float32);
-  forward(d.problem());
-  add_upstream_gradient(d, c.seed);
-  backward(d.problem(), d.gradients());
-  FLASHREF_REQUIRE_GRADIENTS_CONFORM(check_backward_against_naive(d));
+  check_backward_case(c, {{"", forward, backward}});
 }
 
 }  // namespace flashref::test

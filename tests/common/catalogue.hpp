@@ -20,6 +20,9 @@ struct catalogue_case {
   // Q and K rounded to integers and scale 1, so that scores of magnitude 1e3..1e4 are exact in
   // every dtype and only the softmax itself is judged.
   bool integer_qk = false;
+  // The backward: about this much added to every score with P kept spread (offset_scores in
+  // backward_check.hpp), so that a recomputation that does not start from the stored LSE shows.
+  double score_offset = 0.0;
 };
 
 // Edge cases: zero sizes, lengths around common tile sizes, both causal alignments with more
@@ -47,17 +50,36 @@ void check_nan_isolation(input_dtype dtype, const runner& run);
 
 // --- the backward pass (SPEC §9)
 
-// The catalogue as the backward sees it: every edge case, combined mask and random case, with
-// the inputs kept at unit scale and at least two keys (well_conditioned in backward_check.hpp
-// says why; the cases meant for large scores included), and the one-key window (0, 0)
-// widened to (0, 1); then the backward's own traps.
+// The backward's own edge cases: zero sizes, empty rows next to full rows in one tile, keys no
+// row sees, kv_len = 0 and kv_len cutting a tile, block masks (empty to full, sizes that divide
+// nothing, broadcast), GQA with an empty row in one head of a group, windows, GQA/MQA with
+// Dv != D in [B, L, H, D], scores of magnitude 1e3, long keys, every mask combined at small
+// head dims. Shapes small enough for a scalar backend at any tile size.
+std::vector<catalogue_case> backward_edge_cases();
+
+// A forward case as the backward runs it: inputs kept at unit scale and at least two keys
+// (well_conditioned in backward_check.hpp says why; the cases meant for large scores
+// included), the one-key window (0, 0) widened to (0, 1).
+catalogue_case for_backward(catalogue_case c);
+
+// The whole catalogue as the backward sees it: its own edge cases first, then every edge case,
+// combined mask and random case (seeds 0 .. 60) for_backward.
 std::vector<catalogue_case> backward_cases();
 
 // Computes p's gradients; p.o and p.lse hold the forward's results.
 using backward_runner = std::function<void(const attention_problem&, const attention_gradients&)>;
 
-// Builds the case (float32), runs `forward` then `backward` and requires dQ, dK, dV to meet
-// SPEC §9 against the naive float64 golden gradients, empty rows and unseen keys exactly 0.
+// One way of computing the gradients (a backend, or one variant of it: instruction set, tiles).
+struct backward_variant {
+  std::string name;  // captured with a failure
+  runner forward;
+  backward_runner backward;
+};
+
+// Builds the case (float32) and its golden gradients once; then, for each variant on a copy of
+// the inputs, runs `forward` then `backward` and requires dQ, dK, dV to meet SPEC §9 against
+// the naive float64 golden gradients, empty rows and unseen keys exactly 0.
+void check_backward_case(const catalogue_case& c, const std::vector<backward_variant>& variants);
 void check_backward_case(const catalogue_case& c, const runner& forward,
                          const backward_runner& backward);
 

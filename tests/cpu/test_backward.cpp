@@ -1,14 +1,18 @@
 // The CPU backward against the naive float64 golden gradients, on every instruction set this
-// processor runs: edge cases first (the backward's own traps among them), every mask combined,
-// random problems with tiles from 1 upwards; then bitwise identity across thread counts,
-// independence of the tile sizes, confinement of a NaN, and validation.
+// processor runs: the backward catalogue's edge cases (tests/common/catalogue.hpp, every mask
+// alone and combined) at several tiles, random problems with tiles from 1 upwards; then bitwise
+// identity across thread counts, independence of the tile sizes, confinement of a NaN, and
+// validation.
 #include <catch2/catch.hpp>
 
 #include <cmath>
-#include <cstring>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "../common/backward_check.hpp"
+#include "../common/catalogue.hpp"
+#include "cpu_test.hpp"
 #include "flashref/cpu/attention.hpp"
 #include "flashref/cpu/backward.hpp"
 
@@ -16,142 +20,63 @@ using flashref::causal_mode;
 using flashref::problem_data;
 using flashref::cpu::isa;
 using flashref::test::add_upstream_gradient;
+using flashref::test::catalogue_case;
 using flashref::test::check_backward_against_naive;
 using flashref::test::problem_shape;
 using flashref::test::random_problem;
+using flashref::test::same_bits;
+using flashref::test::with_isa;
 
 namespace {
 
-flashref::cpu::options with_isa(isa i, std::int64_t tq = 0, std::int64_t tk = 0) {
-  flashref::cpu::options opt;
-  opt.instruction_set = i;
-  opt.tile_q = tq;
-  opt.tile_k = tk;
-  return opt;
+// The forward, then the backward from its float32 O and LSE (as in use), on one instruction set.
+flashref::test::runner cpu_forward(isa i) {
+  return [i](const flashref::attention_problem& p) { flashref::cpu::attention(p, with_isa(i)); };
 }
 
-// The forward then the backward on every supported instruction set, judged against the golden
-// gradients (the forward's float32 O and LSE are what the backward starts from, as in use).
-void run_and_check(const problem_shape& s, std::uint64_t seed, std::int64_t tq = 0,
-                   std::int64_t tk = 0, double score_offset = 0.0) {
-  for (isa i : flashref::cpu::supported_isas()) {
-    CAPTURE(s.describe(), seed, flashref::cpu::to_string(i), tq, tk, score_offset);
-    problem_data d = random_problem(s, seed);
-    flashref::test::offset_scores(d, score_offset);
-    flashref::cpu::attention(d.problem(), with_isa(i));
-    add_upstream_gradient(d, seed);
-    flashref::cpu::attention_backward(d.problem(), d.gradients(), with_isa(i, tq, tk));
-    FLASHREF_REQUIRE_GRADIENTS_CONFORM(check_backward_against_naive(d));
-  }
+flashref::test::backward_runner cpu_backward(isa i, std::int64_t tq, std::int64_t tk) {
+  return [=](const flashref::attention_problem& p, const flashref::attention_gradients& g) {
+    flashref::cpu::attention_backward(p, g, with_isa(i, tq, tk));
+  };
 }
 
 std::vector<float> as_vector(const xt::xtensor<float, 4>& x) {
   return {x.begin(), x.end()};
 }
 
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
-}
-
 }  // namespace
 
-TEST_CASE("cpu backward: edge cases", "[cpu][backward]") {
-  problem_shape s;
-  SECTION("zero-sized dimensions are valid") {
-    for (auto dims :
-         {std::array<std::int64_t, 4>{0, 1, 4, 4}, {1, 0, 4, 4}, {1, 1, 0, 4}, {1, 1, 4, 0}}) {
-      s.B = dims[0], s.Hq = dims[1], s.Hk = 1, s.Lq = dims[2], s.Lk = dims[3];
-      run_and_check(s, 1);
+TEST_CASE("cpu backward: the backward catalogue's edge cases on every instruction set",
+          "[cpu][backward]") {
+  // The defaults, and tiles that leave partial tails and straddle the cases' mask blocks.
+  std::vector<flashref::test::backward_variant> variants;
+  for (isa i : flashref::cpu::supported_isas())
+    for (auto [tq, tk] : {std::pair<std::int64_t, std::int64_t>{0, 0},
+                          {16, 16},
+                          {32, 32},
+                          {32, 48},
+                          {16, 48},
+                          {20, 33}}) {
+      variants.push_back({std::string(flashref::cpu::to_string(i)) + ", tiles " +
+                              std::to_string(tq) + " x " + std::to_string(tk),
+                          cpu_forward(i), cpu_backward(i, tq, tk)});
     }
-    s = {};
-    s.Lq = 40, s.D = 0;
-    run_and_check(s, 1);
-    s.D = 4, s.Dv = 0;
-    run_and_check(s, 1);
-    s.Lk = 0, s.Dv = 3;  // no keys: every row is empty, dQ = 0
-    run_and_check(s, 1);
-  }
-  SECTION("empty rows next to full rows in the same tile") {
-    s.Lq = 150, s.Lk = 70, s.D = 16, s.Dv = 16;
-    s.causal = GENERATE(causal_mode::bottom_right, causal_mode::top_left);
-    run_and_check(s, 2);
-    run_and_check(s, 2, 16, 16);
-  }
-  SECTION("keys no row sees: causal with fewer queries than keys, partial tails") {
-    s.Lq = 67, s.Lk = 301, s.D = 24, s.Dv = 24;
-    s.causal = GENERATE(causal_mode::bottom_right, causal_mode::top_left);
-    run_and_check(s, 3);
-  }
-  SECTION("kv_len = 0 next to normal entries, kv_len cutting a tile") {
-    s.B = 4, s.Lq = 70, s.Lk = 200, s.D = 8, s.Dv = 8, s.use_kv_len = true;
-    run_and_check(s, 4);
-    run_and_check(s, 4, 32, 48);
-    s.Lq = 2;
-    run_and_check(s, 4);
-  }
-  SECTION("block masks with sizes that divide nothing, all empty and all full") {
-    s.Lq = 100, s.Lk = 170, s.D = 12, s.Dv = 12, s.block_q = 24, s.block_k = 40;
-    s.block_density = GENERATE(0.0, 0.3, 1.0);
-    run_and_check(s, 5);
-    run_and_check(s, 5, 16, 48);
-    s.block_q = 7, s.block_k = 1;
-    run_and_check(s, 5, 20, 33);
-    s.block_q = 1000, s.block_k = 3;
-    run_and_check(s, 5);
-  }
-  SECTION("GQA with an empty row in one head of a group (head-wise block masks)") {
-    s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 96, s.Lk = 160, s.D = 8, s.Dv = 8;
-    s.block_q = 16, s.block_k = 32, s.block_density = 0.4;
-    s.mask_broadcast_b = GENERATE(false, true);
-    s.mask_broadcast_h = GENERATE(false, true);
-    run_and_check(s, 6);
-  }
-  SECTION("local windows, including empty ones") {
-    s.Lq = 90, s.Lk = 60, s.D = 8, s.Dv = 8;
-    s.window_left = GENERATE(-1, 0, 17);
-    s.window_right = GENERATE(-1, 0, 2);
-    // (0, 0) leaves each row one key, where dQ = dK = 0 exactly and a float32 backward returns
-    // rounding noise no tolerance scaled by max|ref| = 0 admits (see well_conditioned).
-    if (s.window_left == 0 && s.window_right == 0) s.window_right = 1;
-    run_and_check(s, 7);
-  }
-  SECTION("GQA, MQA and Dv != D in the [B, L, H, D] layout") {
-    s.B = 2, s.Hq = 8, s.Hk = GENERATE(1, 2, 8), s.Lq = 45, s.Lk = 131, s.D = 37, s.Dv = 19;
-    s.blhd = true;
-    run_and_check(s, 8);
-    s.Lq = 3;
-    run_and_check(s, 8);
-  }
-  SECTION("scores of magnitude 1e3: P comes from the stored LSE") {
-    s.Lq = 40, s.Lk = 90, s.D = 16, s.Dv = 16;
-    run_and_check(s, 9, 0, 0, 1000.0);
-    s.causal = causal_mode::bottom_right, s.block_q = 8, s.block_k = 8;
-    run_and_check(s, 9, 16, 16, 1000.0);
-  }
-  SECTION("long keys, few heads: key tiles split into interleaved chunks") {
-    s.B = 1, s.Hq = 2, s.Hk = 1, s.Lq = 33, s.Lk = 1500, s.D = 64, s.Dv = 64;
-    s.causal = GENERATE(causal_mode::none, causal_mode::top_left);
-    run_and_check(s, 10);
-  }
+  for (const catalogue_case& c : flashref::test::backward_edge_cases())
+    flashref::test::check_backward_case(c, variants);
 }
 
-TEST_CASE("cpu backward: every mask combined", "[cpu][backward]") {
-  problem_shape s;
-  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 77, s.Lk = 141, s.D = 20, s.Dv = 12;
-  s.causal = GENERATE(causal_mode::none, causal_mode::bottom_right, causal_mode::top_left);
-  s.window_left = GENERATE(-1, 25);
-  s.block_q = GENERATE(0, 6);
-  s.block_k = s.block_q == 0 ? 0 : 11;
-  s.use_kv_len = GENERATE(false, true);
-  run_and_check(s, 20, 32, 32);
-}
-
-TEST_CASE("cpu backward: random problems", "[cpu][backward]") {
-  const std::uint64_t seed = GENERATE(range(0, 60));
-  const problem_shape s = flashref::test::well_conditioned(flashref::test::random_shape(seed));
-  const std::int64_t tq = seed % 3 == 0 ? 0 : 1 + std::int64_t(seed % 37);
-  const std::int64_t tk = seed % 3 == 0 ? 0 : 1 + std::int64_t((seed * 7) % 70);
-  run_and_check(s, seed, tq, tk);
+TEST_CASE("cpu backward: random problems on every instruction set at random tiles",
+          "[cpu][backward]") {
+  for (const catalogue_case& c : flashref::test::random_cases(0, 60)) {
+    // Tiles from 1 row/key upwards, and the defaults.
+    const std::int64_t tq = c.seed % 3 == 0 ? 0 : 1 + std::int64_t(c.seed % 37);
+    const std::int64_t tk = c.seed % 3 == 0 ? 0 : 1 + std::int64_t((c.seed * 7) % 70);
+    CAPTURE(tq, tk);
+    std::vector<flashref::test::backward_variant> variants;
+    for (isa i : flashref::cpu::supported_isas())
+      variants.push_back({flashref::cpu::to_string(i), cpu_forward(i), cpu_backward(i, tq, tk)});
+    flashref::test::check_backward_case(flashref::test::for_backward(c), variants);
+  }
 }
 
 TEST_CASE("cpu backward: bitwise identical on 1, 2, 3 and 7 threads",
