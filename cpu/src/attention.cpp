@@ -15,6 +15,10 @@
 #if defined(FLASHREF_CPU_X86)
 #include <cpuid.h>
 #include <xmmintrin.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 #endif
 
 #include "flashref/cpu/half.hpp"
@@ -75,6 +79,26 @@ bool has_f16c() {
 bool has_avx512_bf16() {
   return cpuid_bit(7, 1, 0, 5);  // leaf 7 subleaf 1, EAX bit 5
 }
+
+// AMX-BF16 and AMX-TILE (leaf 7, EDX bits 22 and 24), and the operating system's grant of the
+// tile state: Linux keeps the AMX tile data out of a process's state until the process asks for
+// it (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+); a tile instruction before that faults.
+// Asked once per process; false when refused.
+bool amx_granted() {
+  static const bool granted = [] {
+    if (!cpuid_bit(7, 0, 3, 22) || !cpuid_bit(7, 0, 3, 24)) return false;
+#if defined(__linux__) && defined(SYS_arch_prctl)
+    constexpr long kGetPerm = 0x1022, kReqPerm = 0x1023, kXtiledata = 18;
+    if (syscall(SYS_arch_prctl, kReqPerm, kXtiledata) != 0) return false;  // refused
+    unsigned long perm = 0;
+    if (syscall(SYS_arch_prctl, kGetPerm, &perm) != 0) return false;
+    return ((perm >> kXtiledata) & 1u) != 0;
+#else
+    return false;
+#endif
+  }();
+  return granted;
+}
 #endif
 
 bool processor_runs(isa i) {
@@ -95,7 +119,7 @@ bool processor_runs(half_path h) {
   const bool avx512 = processor_runs(isa::avx512) && __builtin_cpu_supports("avx512bw") &&
                       __builtin_cpu_supports("avx512vl");
   if (h == half_path::avx512_bf16) return avx512 && has_avx512_bf16();
-  if (h == half_path::amx) return avx512 && detail::amx_granted();
+  if (h == half_path::amx) return avx512 && amx_granted();
 #endif
   return false;
 }

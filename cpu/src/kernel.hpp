@@ -136,8 +136,6 @@ const kernel_table& avx2_kernels();
 const kernel_table& avx512_kernels();
 const kernel_table& avx512_bf16_kernels();  // AVX-512 + vdpbf16ps
 const kernel_table& amx_kernels();          // AVX-512 + AMX tiles (tdpbf16ps)
-// Asks the operating system for the AMX tile state once per process; false when refused.
-bool amx_granted();
 #endif
 
 struct free_deleter {

@@ -9,45 +9,8 @@
 #include <cstring>
 #include <type_traits>
 
-#if defined(__linux__)
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
-#include <cpuid.h>
-
-// GCC 12's AVX-512 intrinsics initialise a register from itself (GCC bug 105593).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-
+#include "avx512_intrinsics.hpp"
 #include "kernel.hpp"
-
-namespace flashref::cpu::detail {
-
-// Linux keeps the AMX tile data out of a process's state until the process asks for it
-// (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16+); a tile instruction before that faults.
-bool amx_granted() {
-  static const bool granted = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (__get_cpuid_count(7, 0, &a, &b, &c, &d) == 0) return false;
-    const bool amx_bf16 = (d >> 22) & 1u, amx_tile = (d >> 24) & 1u;
-    if (!amx_bf16 || !amx_tile) return false;
-#if defined(__linux__) && defined(SYS_arch_prctl)
-    constexpr long kGetPerm = 0x1022, kReqPerm = 0x1023, kXtiledata = 18;
-    if (syscall(SYS_arch_prctl, kReqPerm, kXtiledata) != 0) return false;  // refused
-    unsigned long perm = 0;
-    if (syscall(SYS_arch_prctl, kGetPerm, &perm) != 0) return false;
-    return ((perm >> kXtiledata) & 1u) != 0;
-#else
-    return false;
-#endif
-  }();
-  return granted;
-}
-
-}  // namespace flashref::cpu::detail
 
 #if defined(__clang__)
 #pragma clang attribute push(                                                                      \
@@ -163,23 +126,9 @@ struct dot {
   }
 };
 
-#include "kernel_bf16_body.inc"
+#include "kernel_bf16_body.inc"  // and its table()
 
 }  // namespace
-
-const kernel_table& table() {
-  static const kernel_table t{isa::avx512,
-                              W,
-                              vec::kTileQ,
-                              vec::kTileK,
-                              bf16_workspace_floats,
-                              run_bf16,
-                              prepack,
-                              fma_loop,
-                              /*backward_workspace_floats=*/nullptr,
-                              /*run_backward=*/nullptr};
-  return t;
-}
 
 }  // namespace flashref::cpu::detail::amx
 

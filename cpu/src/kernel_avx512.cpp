@@ -6,14 +6,7 @@
 #include <cstdint>
 #include <type_traits>
 
-// GCC 12's AVX-512 intrinsics initialise a register from itself (`__m512 __Y = __Y;`, GCC bug
-// 105593), which -Wuninitialized reports once the intrinsics are inlined here.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-
+#include "avx512_intrinsics.hpp"
 #include "kernel.hpp"
 
 #if defined(__clang__)

@@ -8,13 +8,7 @@
 #include <cstring>
 #include <type_traits>
 
-// GCC 12's AVX-512 intrinsics initialise a register from itself (GCC bug 105593).
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
-#include <immintrin.h>
-
+#include "avx512_intrinsics.hpp"
 #include "kernel.hpp"
 
 #if defined(__clang__)
@@ -156,23 +150,9 @@ struct dot {
   }
 };
 
-#include "kernel_bf16_body.inc"
+#include "kernel_bf16_body.inc"  // and its table()
 
 }  // namespace
-
-const kernel_table& table() {
-  static const kernel_table t{isa::avx512,
-                              W,
-                              vec::kTileQ,
-                              vec::kTileK,
-                              bf16_workspace_floats,
-                              run_bf16,
-                              prepack,
-                              fma_loop,
-                              /*backward_workspace_floats=*/nullptr,
-                              /*run_backward=*/nullptr};
-  return t;
-}
 
 }  // namespace flashref::cpu::detail::avx512_bf16
 
