@@ -29,6 +29,10 @@ namespace fs = std::filesystem;
 constexpr std::uint64_t kMaxElements = std::uint64_t(1) << 32;
 // Nor may a fixed-length string attribute claim more bytes than this.
 constexpr std::size_t kMaxStringBytes = std::size_t(1) << 20;
+// Deflate's level for layout::compressed: the slowest and smallest (fixtures are written once).
+constexpr unsigned kDeflateLevel = 9;
+// Half the entries of a chunk index node (H5Pset_istore_k): the smallest, for one chunk.
+constexpr unsigned kChunkIndexK = 1;
 
 // HDF5 prints its error stack to stderr by default; the CLI prints exactly one line of its own.
 void silence_hdf5() {
@@ -541,7 +545,13 @@ file file::open_image(const void* data, std::size_t size, const std::string& nam
 file file::create(const fs::path& path) {
   silence_hdf5();
   const std::string name = path.string();
-  const hid_t id = H5Fcreate(name.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT);
+  // The index of a chunked dataset (layout::compressed) is a B-tree whose nodes HDF5 sizes for
+  // 2 x 32 chunks by default, about 2 KiB each on disk; ours have one chunk. The smallest
+  // nodes keep the file format that every HDF5 version reads.
+  handle fcpl(H5Pcreate(H5P_FILE_CREATE), H5Pclose);
+  if (!fcpl.ok() || H5Pset_istore_k(fcpl.get(), kChunkIndexK) < 0)
+    throw problem_error(name + ": expected file creation properties, got " + hdf5_reason());
+  const hid_t id = H5Fcreate(name.c_str(), H5F_ACC_TRUNC, fcpl.get(), H5P_DEFAULT);
   if (id < 0) {
     throw problem_error(name + ": expected a file HDF5 can create, got an error (" + hdf5_reason() +
                         ")");
@@ -615,7 +625,7 @@ xt::xtensor<T, R> load(const file& f, const std::string& path,
 }
 
 template <class T, std::size_t R>
-void dump(file& f, const std::string& path, const xt::xtensor<T, R>& x) {
+void dump(file& f, const std::string& path, const xt::xtensor<T, R>& x, layout how) {
   if (f.has(path)) f.fail(path, "no object (a new dataset)", "an existing object");
   std::array<hsize_t, R> dims{};
   for (std::size_t d = 0; d < R; ++d)
@@ -623,8 +633,20 @@ void dump(file& f, const std::string& path, const xt::xtensor<T, R>& x) {
   handle space(H5Screate_simple(int(R), dims.data(), nullptr), H5Sclose);
   handle lcpl(H5Pcreate(H5P_LINK_CREATE), H5Pclose);
   H5Pset_create_intermediate_group(lcpl.get(), 1);
-  handle d(H5Dcreate2(f.id(), path.c_str(), element<T>::disk(), space.get(), lcpl.get(),
-                      H5P_DEFAULT, H5P_DEFAULT),
+  handle dcpl(H5Pcreate(H5P_DATASET_CREATE), H5Pclose);
+  if (how == layout::compressed && x.size() * sizeof(T) >= kCompressFrom) {
+    // One chunk, the whole dataset: the byte planes of the elements side by side (shuffle),
+    // then deflate. The sign and exponent bytes of floats of one magnitude repeat, and so do
+    // the zero low bytes of float32 values that are exact bfloat16 or float16.
+    if (H5Zfilter_avail(H5Z_FILTER_DEFLATE) <= 0 || H5Zfilter_avail(H5Z_FILTER_SHUFFLE) <= 0)
+      f.fail(path, "an HDF5 library with the deflate and shuffle filters", "one without");
+    if (H5Pset_chunk(dcpl.get(), int(R), dims.data()) < 0 || H5Pset_shuffle(dcpl.get()) < 0 ||
+        H5Pset_deflate(dcpl.get(), kDeflateLevel) < 0) {
+      f.fail(path, "a chunked, compressed dataset layout", hdf5_reason());
+    }
+  }
+  handle d(H5Dcreate2(f.id(), path.c_str(), element<T>::disk(), space.get(), lcpl.get(), dcpl.get(),
+                      H5P_DEFAULT),
            H5Dclose);
   if (!d.ok()) f.fail(path, "a dataset HDF5 can create", hdf5_reason());
   if (x.size() > 0 &&
@@ -637,7 +659,7 @@ void dump(file& f, const std::string& path, const xt::xtensor<T, R>& x) {
   template xt::xtensor<T, R> load<T, R>(const file&, const std::string&);   \
   template xt::xtensor<T, R> load<T, R>(const file&, const std::string&,    \
                                         const std::array<std::size_t, R>&); \
-  template void dump<T, R>(file&, const std::string&, const xt::xtensor<T, R>&);
+  template void dump<T, R>(file&, const std::string&, const xt::xtensor<T, R>&, layout);
 #define FLASHREF_H5_INSTANTIATE_RANKS(T) \
   FLASHREF_H5_INSTANTIATE(T, 1)          \
   FLASHREF_H5_INSTANTIATE(T, 2)          \

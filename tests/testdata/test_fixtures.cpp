@@ -49,7 +49,7 @@ TEST_CASE("the committed folder holds exactly the generator's cases, small", "[f
   for (const td::case_info& c : td::cases())
     generated.insert(c.name);
   CHECK(on_disk == generated);
-  CHECK(bytes < 16u * 1024 * 1024);  // the whole folder, twins included, under 16 MB
+  CHECK(bytes < 10'000'000u);  // the whole folder, twins included, under 10 MB
   for (const char* required : {"spec_random",
                                "spec_rescale_lower",
                                "spec_rescale_higher",

@@ -4,6 +4,8 @@
 #include <catch2/catch.hpp>
 
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 
 #include "flashref/testdata/cases.hpp"
 #include "flashref/testdata/hdf5.hpp"
@@ -73,6 +75,36 @@ TEST_CASE("load and dump round-trip every element type, zero-sized dims included
   CHECK(f.has("/x"));
   CHECK_FALSE(f.has("/x/nope"));
   CHECK_FALSE(f.has("/nope/deeper"));
+}
+
+TEST_CASE("the compressed layout reads back the same values and takes less room", "[hdf5]") {
+  temp_dir dir;
+  // Values of one magnitude with zero low mantissa bits, as the fixtures' half-precision inputs.
+  xt::xtensor<float, 4> x = xt::xtensor<float, 4>::from_shape({2, 2, 64, 16});
+  for (std::size_t i = 0; i < x.size(); ++i)
+    x.data()[i] = float(int(i * 2654435761u % 512) - 256) / 64.0f;
+  xt::xtensor<double, 3> y = xt::xtensor<double, 3>::from_shape({1, 2, 700});
+  for (std::size_t i = 0; i < y.size(); ++i)
+    y.data()[i] = i % 7 == 0 ? -INFINITY : std::sin(double(i));
+  const xt::xtensor<float, 1> small = {1.0f, -0.0f, NAN};  // below kCompressFrom: contiguous
+  const xt::xtensor<float, 2> empty = xt::xtensor<float, 2>::from_shape({0, 4});
+  for (h5::layout how : {h5::layout::contiguous, h5::layout::compressed}) {
+    h5::file f = h5::file::create(dir / (how == h5::layout::compressed ? "c.h5" : "u.h5"));
+    h5::dump(f, "/x", x, how);
+    h5::dump(f, "/y", y, how);
+    h5::dump(f, "/small", small, how);
+    h5::dump(f, "/empty", empty, how);
+    f.close();
+  }
+  const h5::file u = h5::file::open(dir / "u.h5"), c = h5::file::open(dir / "c.h5");
+  CHECK(h5::diff(u, c, {}).empty());  // every value, bit for bit
+  const auto cx = h5::load<float, 4>(c, "/x");
+  CHECK(std::memcmp(cx.data(), x.data(), x.size() * sizeof(float)) == 0);
+  const auto cs = h5::load<float, 1>(c, "/small");
+  CHECK(std::memcmp(cs.data(), small.data(), small.size() * sizeof(float)) == 0);
+  CHECK(h5::shape_of(c, "/empty") == std::vector<std::size_t>{0, 4});
+  const auto bytes = [](const std::filesystem::path& p) { return std::filesystem::file_size(p); };
+  CHECK(bytes(dir / "c.h5") < bytes(dir / "u.h5") / 2);
 }
 
 TEST_CASE("bad files fail with the file, the path, the expected and the actual value", "[hdf5]") {

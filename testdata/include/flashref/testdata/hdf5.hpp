@@ -74,10 +74,18 @@ template <class T, std::size_t R>
 xt::xtensor<T, R> load(const file& f, const std::string& path,
                        const std::array<std::size_t, R>& expected);
 
-// Writes x as a new dataset (float32, float64, uint8, int32 or int64, little-endian,
-// contiguous), creating the groups on the way.
+// How dump stores a dataset's elements: contiguous, or as one chunk through HDF5's shuffle and
+// deflate filters (built into every HDF5 library and h5py; readers see the same values).
+// Compression applies from kCompressFrom bytes on: below, a chunk's index costs more than the
+// filters save.
+enum class layout { contiguous, compressed };
+constexpr std::size_t kCompressFrom = 1024;
+
+// Writes x as a new dataset (float32, float64, uint8, int32 or int64, little-endian),
+// creating the groups on the way.
 template <class T, std::size_t R>
-void dump(file& f, const std::string& path, const xt::xtensor<T, R>& x);
+void dump(file& f, const std::string& path, const xt::xtensor<T, R>& x,
+          layout how = layout::contiguous);
 
 // --- attributes of the object at obj ("/" for the root) ----------------------------------
 
@@ -106,7 +114,8 @@ void write_attr(file& f, const std::string& obj, const std::string& name, double
 void write_atomically(const std::filesystem::path& path, const std::function<void(file&)>& fill);
 
 // Every difference between two files, one line each, empty when they are identical: the same
-// datasets (type, shape and bytes) and the same attributes (type and value) on every object.
+// datasets (type, shape and values bit for bit, whatever their storage layout) and the same
+// attributes (type and value) on every object.
 // Attribute names in `ignore_attrs` are not compared.
 std::vector<std::string> diff(const file& expected, const file& actual,
                               const std::vector<std::string>& ignore_attrs = {});
