@@ -195,8 +195,10 @@ void fill_masks(Problem& p, const call& c) {
   p.block_k = c.block_k;
 }
 
-// The block mask and key lengths of a host problem, read in place.
-void attach_masks(attention_problem& p, const call& c) {
+// The masks of a problem (host, or the CUDA device entry's): the block mask and key lengths
+// read in place.
+template <class Problem>
+void attach_masks(Problem& p, const call& c) {
   fill_masks(p, c);
   if (c.block_mask) {
     p.block_mask.data = static_cast<const std::uint8_t*>(c.block_mask->data());
@@ -377,17 +379,7 @@ void run_device(const call& c, std::uintptr_t stream) {
     p.lse = {const_cast<void*>(c.lse->data()), input_dtype::float32};
     view_n(p.lse, *c.lse);
   }
-  fill_masks(p, c);
-  if (c.block_mask) {
-    p.block_mask.data = static_cast<const std::uint8_t*>(c.block_mask->data());
-    view_n(p.block_mask, *c.block_mask);
-  }
-  if (c.kv_len) {
-    if (std::int64_t(c.kv_len->shape(0)) != p.q.shape[0])
-      throw problem_error("kv_len: expected shape [" + std::to_string(p.q.shape[0]) + "], got " +
-                          shape_text(*c.kv_len));
-    p.kv_len = static_cast<const std::int32_t*>(c.kv_len->data());
-  }
+  attach_masks(p, c);
   nb::gil_scoped_release unlocked;
   cuda::attention(p, reinterpret_cast<cudaStream_t>(stream));
 }
@@ -405,14 +397,13 @@ void expect_call(const call& c) {
   expect_masks(c);
 }
 
-// attention(q, k, v, o, lse, ...) -> the name of the backend that ran.
-const char* attention_into(const array& q, const array& k, const array& v, const array& o,
-                           const std::optional<array>& lse, std::optional<double> scale,
-                           const std::string& causal, std::int64_t window_left,
-                           std::int64_t window_right, const std::optional<array>& block_mask,
-                           std::int64_t block_q, std::int64_t block_k,
-                           const std::optional<array>& kv_len, const std::string& backend_name,
-                           bool blhd, std::uintptr_t stream) {
+// The call of an entry (forward, backward, timing) from its arguments, with the checks every
+// call passes before it reaches a backend.
+call checked_call(const array& q, const array& k, const array& v, const array& o,
+                  const std::optional<array>& lse, std::optional<double> scale,
+                  const std::string& causal, std::int64_t window_left, std::int64_t window_right,
+                  const std::optional<array>& block_mask, std::int64_t block_q,
+                  std::int64_t block_k, const std::optional<array>& kv_len, bool blhd) {
   const call c{q,
                k,
                v,
@@ -428,6 +419,19 @@ const char* attention_into(const array& q, const array& k, const array& v, const
                kv_len,
                blhd};
   expect_call(c);
+  return c;
+}
+
+// attention(q, k, v, o, lse, ...) -> the name of the backend that ran.
+const char* attention_into(const array& q, const array& k, const array& v, const array& o,
+                           const std::optional<array>& lse, std::optional<double> scale,
+                           const std::string& causal, std::int64_t window_left,
+                           std::int64_t window_right, const std::optional<array>& block_mask,
+                           std::int64_t block_q, std::int64_t block_k,
+                           const std::optional<array>& kv_len, const std::string& backend_name,
+                           bool blhd, std::uintptr_t stream) {
+  const call c = checked_call(q, k, v, o, lse, scale, causal, window_left, window_right, block_mask,
+                              block_q, block_k, kv_len, blhd);
   const backend chosen = parse_backend(backend_name);
   if (q.device_type() == kHost && chosen == backend::reference &&
       is(q.dtype(), nb::dlpack::dtype_code::Float, 64)) {
@@ -498,21 +502,8 @@ const char* attention_backward_into(const array& q, const array& k, const array&
                                     const std::optional<array>& block_mask, std::int64_t block_q,
                                     std::int64_t block_k, const std::optional<array>& kv_len,
                                     const std::string& backend_name, bool blhd) {
-  const call c{q,
-               k,
-               v,
-               o,
-               lse,
-               scale,
-               parse_causal(causal),
-               window_left,
-               window_right,
-               block_mask,
-               block_q,
-               block_k,
-               kv_len,
-               blhd};
-  expect_call(c);
+  const call c = checked_call(q, k, v, o, lse, scale, causal, window_left, window_right, block_mask,
+                              block_q, block_k, kv_len, blhd);
   const grads_call g{d_o, dq, dk, dv};
   expect_grads(c, g);
   const backend chosen = parse_backend(backend_name);
@@ -553,21 +544,8 @@ double entry_seconds(const array& q, const array& k, const array& v, const array
                      const std::optional<array>& block_mask, std::int64_t block_q,
                      std::int64_t block_k, const std::optional<array>& kv_len,
                      const std::string& backend_name, bool blhd, int repeats) {
-  const call c{q,
-               k,
-               v,
-               o,
-               lse,
-               scale,
-               parse_causal(causal),
-               window_left,
-               window_right,
-               block_mask,
-               block_q,
-               block_k,
-               kv_len,
-               blhd};
-  expect_call(c);
+  const call c = checked_call(q, k, v, o, lse, scale, causal, window_left, window_right, block_mask,
+                              block_q, block_k, kv_len, blhd);
   if (q.device_type() != kHost) throw type_error("q: expected host memory, got " + device_name(q));
   const backend chosen = parse_backend(backend_name);
   const attention_problem p = host_problem(c);
