@@ -13,7 +13,8 @@ Two steps, so that the table is a pure function of the measurements:
           renders it.
           The backward (SPEC §9): on the fixtures with /inputs/do, PyTorch autograd of
           sum(O * dO) through the SDPA backends and FlexAttention gives dQ, dK, dV, written as
-          /dq, /dk, /dv beside /o and judged the same way (--no-backward skips it).
+          /dq, /dk, /dv beside /o and judged the same way; flashref's reference and --ours
+          backends that have a backward are judged beside them (--no-backward skips it).
   render  writes the Markdown tables from a conformance.json alone (no GPU, no PyTorch): the
           same JSON gives the same page, byte for byte.
 
@@ -353,6 +354,63 @@ def family_of(case, twin_of, dtype):
     return "half_inputs" if case.startswith("half_inputs_") else case
 
 
+def ours_dtypes(be):
+    """The input dtypes our backend `be` is judged in: the CPU and the reference compute in
+    float32 whatever the inputs."""
+    return ("float32", "bfloat16", "float16") if be == "cuda" else ("float32",)
+
+
+def ours_name(be, dtype):
+    return f"flashref-{be}" + ("" if dtype == "float32" else "-" + SHORT[dtype])
+
+
+def judge_ours(flashref, fixtures_dir, fixtures, be, dtype, cases):
+    """Our backend `be` on `cases`, judged by `flashref check --backend`: the forward, and the
+    backward too on the fixtures with golden gradients where flashref::backends() gives `be`
+    one. Returns the implementation's entry and its cells."""
+    name = ours_name(be, dtype)
+    what = f"this library's {be} backend, for comparison"
+    if dtype != "float32":
+        what += " (tensor cores where D = Dv is 64 or 128)"
+    cells = []
+    for case in cases:
+        _, _, twin = fixtures[case]
+        cell = {"implementation": name, "fixture": case, "family": family_of(case, twin, dtype)}
+        row, error = check(flashref, os.path.join(fixtures_dir, case + ".h5"), "--backend", be)
+        if row is None:
+            cell.update(status="unsupported", reason=error)
+        else:
+            cell.update(status="judged", check=row)
+        cells.append(cell)
+    return {"name": name, "dtype": dtype, "what": what}, cells
+
+
+def ours_backward(flashref, fixtures_dir, fixtures, backends, runs_on, forward_cells):
+    """The backward table's rows of our own backends: the `flashref check --backend` cells on
+    the fixtures that carry /inputs/do — those of the forward table where it has the backend
+    (check judged the gradients with O), else judged here. A backend is listed when check
+    judged gradients for it, i.e. when flashref::backends() says it has a backward."""
+    impls, cells = [], []
+    for be in dict.fromkeys(backends):  # each once, in order
+        for dtype in ours_dtypes(be):
+            name = ours_name(be, dtype)
+            cases = [c for c in runs_on(dtype)
+                     if has_backward(os.path.join(fixtures_dir, c + ".h5"))]
+            judged = {c["fixture"]: c for c in forward_cells if c["implementation"] == name}
+            missing = [c for c in cases if c not in judged]
+            impl, more = judge_ours(flashref, fixtures_dir, fixtures, be, dtype, missing)
+            judged.update((c["fixture"], c) for c in more)
+            mine = [judged[c] for c in cases]
+            if not any(c["status"] == "judged" and c["check"]["gradients_judged"] != "-"
+                       for c in mine):
+                print(f"{name}: no backward pass judged (flashref::backends())", flush=True)
+                continue
+            impl["what"] = f"this library's {be} backend's backward, for comparison"
+            impls.append(impl)
+            cells += mine
+    return impls, cells
+
+
 def environment():
     import datetime
     import platform
@@ -460,25 +518,16 @@ def run(args):
         print(f"{name} backward: done ({time.time() - start:.0f} s)", flush=True)
 
     for be in args.ours:  # our own backends, judged by the same rule, in each dtype they take
-        for dtype in ("float32", "bfloat16", "float16"):
-            if dtype != "float32" and be != "cuda":
-                continue  # the CPU computes in float32 whatever the inputs
-            name = f"flashref-{be}" + ("" if dtype == "float32" else "-" + SHORT[dtype])
-            what = f"this library's {be} backend, for comparison"
-            if dtype != "float32":
-                what += " (tensor cores where D = Dv is 64 or 128)"
-            impls.append({"name": name, "dtype": dtype, "what": what})
-            for case in runs_on(dtype):
-                _, _, twin = fixtures[case]
-                cell = {"implementation": name, "fixture": case,
-                        "family": family_of(case, twin, dtype)}
-                row, error = check(args.flashref, os.path.join(args.fixtures, case + ".h5"),
-                                   "--backend", be)
-                if row is None:
-                    cell.update(status="unsupported", reason=error)
-                else:
-                    cell.update(status="judged", check=row)
-                cells.append(cell)
+        for dtype in ours_dtypes(be):
+            impl, ours = judge_ours(args.flashref, args.fixtures, fixtures, be, dtype,
+                                    runs_on(dtype))
+            impls.append(impl)
+            cells += ours
+    if not args.no_backward:
+        more_impls, more_cells = ours_backward(args.flashref, args.fixtures, fixtures,
+                                               ["reference"] + args.ours, runs_on, cells)
+        bwd_impls += more_impls
+        bwd_cells += more_cells
 
     report = {"format": FORMAT, "environment": environment(), "implementations": impls,
               "cells": cells}
@@ -600,8 +649,12 @@ def render(report):
                   "PyTorch autograd of `sum(O * dO)` through each implementation, on the fixtures",
                   "with `/inputs/do` (bfloat16 implementations on the twins); dQ, dK, dV written as",
                   "`/dq, /dk, /dv` and judged by `flashref check`: each gradient's tolerance, the dQ",
-                  "of empty rows and the dK, dV of keys no row sees exactly 0.", "",
-                  "| implementation | computes in | what |", "| --- | --- | --- |"]
+                  "of empty rows and the dK, dV of keys no row sees exactly 0."]
+        if any(i["name"].startswith("flashref-") for i in report["backward"]["implementations"]):
+            lines += ["flashref's own backends that have a backward (`flashref-*`) are judged by",
+                      "the same rule (`flashref check --backend`: the gradients of the forward",
+                      "just run, P recomputed from its own LSE)."]
+        lines += ["", "| implementation | computes in | what |", "| --- | --- | --- |"]
         for i in report["backward"]["implementations"]:
             lines.append(f"| {i['name']} | {i['dtype']} | {i['what']} |")
         lines += [""] + bwd

@@ -112,6 +112,43 @@ def main():
     expect("- k16: 2 pass, 0 fail, 2 not run or unsupported" in md, md)
     expect("- date: 2026-01-01" in md, md)
 
+    # flashref's own backends in the backward table: judged by `flashref check --backend` on
+    # the fixtures with /inputs/do, the forward table's cell reused where it has the backend,
+    # listed only where check judged gradients (cuda: unavailable here, so never).
+    cases = ["bwd_empty_row_in_tile", "causal_lq_gt_lk", "extreme_scores"]
+    infos = {c: cr.fixture_info(fixture(c)) for c in cases}
+    fwd_cpu = cr.judge_ours(args.flashref, args.testdata, infos, "cpu", "float32",
+                            ["causal_lq_gt_lk"])[1]
+    bwd_impls, bwd_cells = cr.ours_backward(
+        args.flashref, args.testdata, infos, ["reference", "cpu", "cuda", "cpu"],
+        lambda dtype: cases if dtype == "float32" else [], fwd_cpu)
+    expect([i["name"] for i in bwd_impls] == ["flashref-reference", "flashref-cpu"], bwd_impls)
+    expect(all(i["dtype"] == "float32" and "backward" in i["what"] for i in bwd_impls), bwd_impls)
+    expect([(c["implementation"], c["fixture"]) for c in bwd_cells] ==
+           [(n, f) for n in ("flashref-reference", "flashref-cpu")
+            for f in ("bwd_empty_row_in_tile", "causal_lq_gt_lk")], bwd_cells)
+    expect(fwd_cpu[0] in bwd_cells, "the forward table's cell of flashref-cpu was not reused")
+    texts = [cr.backward_cell_text(c) for c in bwd_cells]
+    expect(texts == ["pass (dq,dk,dv)"] * 4, texts)
+    broken = copy.deepcopy(bwd_cells[0])
+    broken["check"].update(verdict="fail", message="dq: 3 empty rows with a NaN gradient")
+    expect(cr.backward_cell_text(broken) == "FAIL (dq,dk,dv): dq: 3 empty rows with a NaN gradient",
+           cr.backward_cell_text(broken))
+    with_bwd = copy.deepcopy(report)
+    with_bwd["backward"] = {"implementations": [{"name": "b32", "dtype": "float32",
+                                                 "what": "autograd"}] + bwd_impls,
+                            "cells": bwd_cells + [dict(broken, implementation="b32")]}
+    md_bwd = cr.render(with_bwd)
+    bwd = md_bwd.split("### The backward pass")[1].split("Summary:")[0]
+    expect("| case | b32 | flashref-reference | flashref-cpu |" in bwd, bwd)
+    expect("| bwd_empty_row_in_tile | FAIL (dq,dk,dv): dq: 3 empty rows with a NaN gradient | "
+           "pass (dq,dk,dv) | pass (dq,dk,dv) |" in bwd, bwd)
+    expect("flashref's own backends that have a backward" in bwd, bwd)
+    expect("flashref's own backends" not in md, "the sentence without flashref rows")
+    expect("- flashref-reference backward: 2 pass, 0 fail, 0 not run or unsupported" in md_bwd,
+           md_bwd)
+    expect("- b32 backward: 0 pass, 1 fail, 0 not run or unsupported" in md_bwd, md_bwd)
+
     # render --markdown keeps the prose around the generated part; --check compares.
     js = os.path.join(args.work, "conformance.json")
     page = os.path.join(args.work, "page.md")
