@@ -25,6 +25,7 @@ namespace {
 
 struct vec {
   using reg = __m256;
+  static constexpr isa kIsa = isa::avx2;
   static constexpr int W = 8;
   static constexpr int kQkRows = 6, kQkVecs = 2;  // 12 accumulators of 16 registers
   static constexpr int kPvRows = 6, kPvVecs = 2;
@@ -81,21 +82,9 @@ struct vec {
 
 #include "backward_body.inc"  // uses the helpers of kernel_body.inc
 
-}  // namespace
+#include "kernel_table.inc"  // after both
 
-const kernel_table& table() {
-  static const kernel_table t{isa::avx2,
-                              W,
-                              vec::kTileQ,
-                              vec::kTileK,
-                              workspace_floats,
-                              run_fp32,
-                              /*prepack=*/nullptr,
-                              fma_loop,
-                              backward_workspace_floats,
-                              run_backward};
-  return t;
-}
+}  // namespace
 
 }  // namespace flashref::cpu::detail::avx2
 

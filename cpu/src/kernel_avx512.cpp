@@ -29,21 +29,9 @@ namespace {
 
 #include "backward_body.inc"  // uses the helpers of kernel_body.inc
 
-}  // namespace
+#include "kernel_table.inc"  // after both
 
-const kernel_table& table() {
-  static const kernel_table t{isa::avx512,
-                              W,
-                              vec::kTileQ,
-                              vec::kTileK,
-                              workspace_floats,
-                              run_fp32,
-                              /*prepack=*/nullptr,
-                              fma_loop,
-                              backward_workspace_floats,
-                              run_backward};
-  return t;
-}
+}  // namespace
 
 }  // namespace flashref::cpu::detail::avx512
 

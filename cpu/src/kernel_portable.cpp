@@ -14,6 +14,7 @@ namespace flashref::cpu::detail::portable {
 namespace {
 
 struct vec {
+  static constexpr isa kIsa = isa::portable;
   static constexpr int W = 8;
   struct reg {
     float v[W];
@@ -111,21 +112,9 @@ struct vec {
 
 #include "backward_body.inc"  // uses the helpers of kernel_body.inc
 
-}  // namespace
+#include "kernel_table.inc"  // after both
 
-const kernel_table& table() {
-  static const kernel_table t{isa::portable,
-                              W,
-                              vec::kTileQ,
-                              vec::kTileK,
-                              workspace_floats,
-                              run_fp32,
-                              /*prepack=*/nullptr,
-                              fma_loop,
-                              backward_workspace_floats,
-                              run_backward};
-  return t;
-}
+}  // namespace
 
 }  // namespace flashref::cpu::detail::portable
 
