@@ -61,10 +61,10 @@ class device_buffer {
   void* ptr_ = nullptr;
 };
 
-template <int R>
-strided<const float, R> shape_only(const device_view<R>& v) {
+template <class T, int R>
+strided<T, R> shape_only(const device_tensor<R>& t) {
   // Used for shape validation only: the pointer is never dereferenced on the host.
-  return {static_cast<const float*>(v.data), v.shape, v.stride};
+  return {static_cast<T*>(t.data), t.shape, t.stride};
 }
 
 // The shapes and masks of a device problem as the reference's problem type, so that the device
@@ -73,20 +73,39 @@ strided<const float, R> shape_only(const device_view<R>& v) {
 // memory.
 attention_problem shapes_of(const device_problem& p) {
   attention_problem m;
-  m.q = shape_only(p.q);
-  m.k = shape_only(p.k);
-  m.v = shape_only(p.v);
-  m.o = {static_cast<float*>(p.o.data), p.o.shape, p.o.stride};
-  m.lse = {static_cast<float*>(p.lse.data), p.lse.shape, p.lse.stride};
+  m.q = shape_only<const float>(p.q);
+  m.k = shape_only<const float>(p.k);
+  m.v = shape_only<const float>(p.v);
+  m.o = shape_only<float>(p.o);
+  m.lse = shape_only<float>(p.lse);
   m.scale = p.scale;
   m.causal = p.causal;
   m.window_left = p.window_left;
   m.window_right = p.window_right;
-  m.block_mask = {static_cast<const std::uint8_t*>(p.block_mask.data), p.block_mask.shape,
-                  p.block_mask.stride};
+  m.block_mask = p.block_mask;
   m.block_q = p.block_q;
   m.block_k = p.block_k;
+  m.dtype = p.q.dtype;
   return m;
+}
+
+// The element types of a device problem: q, k, v alike; o float32 or the input dtype; lse
+// float32.
+void check_dtypes(const device_problem& p) {
+  const input_dtype in = p.q.dtype;
+  for (const auto& [name, t] : {std::pair{"k", &p.k}, std::pair{"v", &p.v}}) {
+    if (t->dtype != in) {
+      throw problem_error(std::string(name) + ": expected dtype " + to_string(in) + " (q's), got " +
+                          to_string(t->dtype));
+    }
+  }
+  if (p.o.dtype != input_dtype::float32 && p.o.dtype != in) {
+    throw problem_error(std::string("o: expected dtype float32 or the input dtype ") +
+                        to_string(in) + ", got " + to_string(p.o.dtype));
+  }
+  if (p.lse.data != nullptr && p.lse.dtype != input_dtype::float32) {
+    throw problem_error(std::string("lse: expected dtype float32, got ") + to_string(p.lse.dtype));
+  }
 }
 
 bool aligned16(const void* ptr) {
@@ -95,14 +114,14 @@ bool aligned16(const void* ptr) {
 
 // The tensor-core kernels read 16-byte rows (cp.async, or TMA on Hopper): unit stride along the
 // head dim, every other stride a multiple of 8 elements, the base 16-byte aligned.
-bool tensor_core_layout(const device_view<4>& t) {
+bool tensor_core_layout(const device_tensor<4>& t) {
   return t.stride[3] == 1 && t.stride[0] % 8 == 0 && t.stride[1] % 8 == 0 && t.stride[2] % 8 == 0 &&
          aligned16(t.data);
 }
 
 bool tensor_core_applies(const device_problem& p) {
   const std::int64_t D = p.q.shape[3], Dv = p.v.shape[3];
-  return p.input != input_dtype::float32 && D == Dv && (D == 64 || D == 128) &&
+  return p.q.dtype != input_dtype::float32 && D == Dv && (D == 64 || D == 128) &&
          tensor_core_layout(p.q) && tensor_core_layout(p.k) && tensor_core_layout(p.v);
 }
 
@@ -165,10 +184,6 @@ kernel_kind choose(const device_problem& p) {
 
 // The checks beyond SPEC §2's validation that the CUDA kernels add; shared by both entries.
 void check_device_limits(const device_problem& p, kernel_kind kernel) {
-  if (p.output != input_dtype::float32 && p.output != p.input) {
-    throw problem_error(std::string("output: expected float32 or the input dtype ") +
-                        to_string(p.input) + ", got " + to_string(p.output));
-  }
   const std::int64_t D = p.q.shape[3], Dv = p.v.shape[3];
   if (kernel == kernel_kind::simt) {
     if (D > detail::kSimtMaxHeadDim) {
@@ -224,22 +239,23 @@ void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
   kp.head_dim_v = p.v.shape[3];
   kp.group = Hk > 0 ? Hq / Hk : 1;
   kp.scale = static_cast<float>(softmax_scale);
-  kp.out = to_elem(p.output);
+  kp.out = to_elem(p.o.dtype);
   kp.mask = mask;
   kp.mask.kv_len = p.kv_len;
   switch (kernel) {
     case kernel_kind::hopper:
 #if defined(FLASHREF_CUDA_HOPPER)
-      check(detail::launch_hopper(kp, to_elem(p.input), stream), "hopper kernel launch");
+      check(detail::launch_hopper(kp, to_elem(p.q.dtype), stream), "hopper kernel launch");
 #endif
       return;
     case kernel_kind::tensor_core:
-      check(detail::launch_tensor_core(kp, to_elem(p.input), stream), "tensor-core kernel launch");
+      check(detail::launch_tensor_core(kp, to_elem(p.q.dtype), stream),
+            "tensor-core kernel launch");
       return;
     case kernel_kind::simt:
       break;
   }
-  check(detail::launch_simt(kp, to_elem(p.input), stream), "SIMT kernel launch");
+  check(detail::launch_simt(kp, to_elem(p.q.dtype), stream), "SIMT kernel launch");
 }
 
 // Packs a strided host view into a contiguous row-major vector, in one pass that also tells
@@ -301,6 +317,7 @@ bool device_available(std::string* reason) {
 }
 
 const char* kernel_for(const device_problem& p) {
+  check_dtypes(p);
   validate(shapes_of(p));
   const kernel_kind kernel = choose(p);
   check_device_limits(p, kernel);
@@ -308,6 +325,7 @@ const char* kernel_for(const device_problem& p) {
 }
 
 void attention(const device_problem& p, cudaStream_t stream) {
+  check_dtypes(p);
   const attention_problem shapes = shapes_of(p);
   validate(shapes);
   const kernel_kind kernel = choose(p);
@@ -325,47 +343,53 @@ void attention(const attention_problem& p, kernel_choice kernel) {
   const std::vector<float> q = pack(p.q), k = pack(p.k), v = pack(p.v, &v_finite);
 
   // float32 data on the host; the tensor-core kernels take it in the problem's dtype, which
-  // the caller promises represents every input value exactly.
+  // the caller promises represents every input value exactly. The device copies are described
+  // by the device entry's own type, so the choice of kernel below is the device entry's.
   device_problem dp;
-  dp.input = p.dtype;
-  dp.output = input_dtype::float32;
   dp.kernel = kernel;
-  dp.q = {nullptr, p.q.shape, dense_strides<4>(p.q.shape)};
-  dp.k = {nullptr, p.k.shape, dense_strides<4>(p.k.shape)};
-  dp.v = {nullptr, p.v.shape, dense_strides<4>(p.v.shape)};
+  const auto packed_tensor = [](const std::array<std::int64_t, 4>& shape, input_dtype t) {
+    return device_tensor<4>{nullptr, t, shape, dense_strides<4>(shape)};
+  };
+  const auto set_input_dtype = [&](input_dtype t) {
+    dp.q = packed_tensor(p.q.shape, t);
+    dp.k = packed_tensor(p.k.shape, t);
+    dp.v = packed_tensor(p.v.shape, t);
+  };
+  set_input_dtype(p.dtype);
   // The packed copies live in cudaMalloc'ed (256-byte aligned) buffers, so the shape alone
   // decides whether a tensor-core kernel applies; otherwise the float32 kernel runs.
-  if (dp.input != input_dtype::float32 && !tensor_core_applies(dp) &&
+  if (p.dtype != input_dtype::float32 && !tensor_core_applies(dp) &&
       kernel == kernel_choice::automatic) {
-    dp.input = input_dtype::float32;
+    set_input_dtype(input_dtype::float32);
   }
   // The tensor-core kernels' P·V would carry a NaN or inf of V into the rows of a partial tile
   // that mask its key (0 · NaN). Such a V goes to the float32 kernel, which never reads a
   // masked key's value: a NaN reaches only the rows that see it (SPEC §2).
-  if (dp.input != input_dtype::float32 && !v_finite) {
-    dp.input = input_dtype::float32;
+  if (dp.q.dtype != input_dtype::float32 && !v_finite) {
+    set_input_dtype(input_dtype::float32);
     dp.kernel = kernel_choice::automatic;
   }
-  if (dp.input == input_dtype::float32 && dp.kernel != kernel_choice::simt) {
+  const input_dtype in = dp.q.dtype;
+  if (in == input_dtype::float32 && dp.kernel != kernel_choice::simt) {
     dp.kernel = kernel_choice::automatic;  // only the float32 kernel takes float32 input
   }
   const kernel_kind chosen = choose(dp);
   check_device_limits(dp, chosen);
 
   cudaStream_t stream = nullptr;
-  auto upload = [&](const std::vector<float>& packed, device_view<4>& dev,
+  auto upload = [&](const std::vector<float>& packed, device_tensor<4>& dev,
                     std::vector<device_buffer>& keep) {
     keep.emplace_back(packed.size() * sizeof(float));
     float* d32 = static_cast<float*>(keep.back().get());
     check(cudaMemcpy(d32, packed.data(), packed.size() * sizeof(float), cudaMemcpyHostToDevice),
           "cudaMemcpy (inputs)");
-    if (dp.input == input_dtype::float32) {
+    if (in == input_dtype::float32) {
       dev.data = d32;
       return;
     }
-    keep.emplace_back(packed.size() * elem_bytes(dp.input));
-    check(detail::launch_convert(d32, keep.back().get(), std::int64_t(packed.size()),
-                                 to_elem(dp.input), stream),
+    keep.emplace_back(packed.size() * elem_bytes(in));
+    check(detail::launch_convert(d32, keep.back().get(), std::int64_t(packed.size()), to_elem(in),
+                                 stream),
           "conversion kernel launch");
     dev.data = keep.back().get();
   };
@@ -379,8 +403,8 @@ void attention(const attention_problem& p, kernel_choice kernel) {
   const std::array<std::int64_t, 3> lse_shape{B, Hq, Lq};
   device_buffer d_o(std::size_t(B * Hq * Lq * p.head_dim_v()) * sizeof(float));
   device_buffer d_lse(std::size_t(B * Hq * Lq) * sizeof(float));
-  dp.o = {d_o.get(), o_shape, dense_strides<4>(o_shape)};
-  dp.lse = {d_lse.get(), lse_shape, dense_strides<3>(lse_shape)};
+  dp.o = {d_o.get(), input_dtype::float32, o_shape, dense_strides<4>(o_shape)};
+  dp.lse = {d_lse.get(), input_dtype::float32, lse_shape, dense_strides<3>(lse_shape)};
 
   dp.scale = p.scale;
   dp.causal = p.causal;
@@ -392,7 +416,7 @@ void attention(const attention_problem& p, kernel_choice kernel) {
     mask_keep.emplace_back(bm.size());
     check(cudaMemcpy(mask_keep.back().get(), bm.data(), bm.size(), cudaMemcpyHostToDevice),
           "cudaMemcpy (block_mask)");
-    dp.block_mask = {mask_keep.back().get(), p.block_mask.shape,
+    dp.block_mask = {static_cast<const std::uint8_t*>(mask_keep.back().get()), p.block_mask.shape,
                      dense_strides<4>(p.block_mask.shape)};
     dp.block_q = p.block_q;
     dp.block_k = p.block_k;
@@ -408,8 +432,7 @@ void attention(const attention_problem& p, kernel_choice kernel) {
   // The mask as the kernels see it: the block mask's device copy (dense strides), kv_len in
   // device memory (set by enqueue).
   attention_problem on_device = p;
-  on_device.block_mask = {static_cast<const std::uint8_t*>(dp.block_mask.data), dp.block_mask.shape,
-                          dp.block_mask.stride};
+  on_device.block_mask = dp.block_mask;
   enqueue(dp, chosen, make_mask_spec(on_device), p.softmax_scale(), stream);
   check(cudaStreamSynchronize(stream), "attention kernel");
 

@@ -363,12 +363,10 @@ void run_device(const call& c, std::uintptr_t stream) {
   if (out != input_dtype::float32 && out != in)
     throw type_error(std::string("o: expected dtype float32 or ") + to_string(*in) + ", got " +
                      dtype_name(c.o.dtype()));
-  p.input = *in;
-  p.output = *out;
-  p.q.data = c.q.data();
-  p.k.data = c.k.data();
-  p.v.data = c.v.data();
-  p.o.data = const_cast<void*>(c.o.data());
+  p.q = {const_cast<void*>(c.q.data()), *in};
+  p.k = {const_cast<void*>(c.k.data()), *in};
+  p.v = {const_cast<void*>(c.v.data()), *in};
+  p.o = {const_cast<void*>(c.o.data()), *out};
   view4(p.q, c.q, c.blhd);
   view4(p.k, c.k, c.blhd);
   view4(p.v, c.v, c.blhd);
@@ -376,12 +374,12 @@ void run_device(const call& c, std::uintptr_t stream) {
   if (c.lse) {
     if (!is_float32(c.lse->dtype()))
       throw type_error("lse: expected dtype float32, got " + dtype_name(c.lse->dtype()));
-    p.lse.data = const_cast<void*>(c.lse->data());
+    p.lse = {const_cast<void*>(c.lse->data()), input_dtype::float32};
     view_n(p.lse, *c.lse);
   }
   fill_masks(p, c);
   if (c.block_mask) {
-    p.block_mask.data = c.block_mask->data();
+    p.block_mask.data = static_cast<const std::uint8_t*>(c.block_mask->data());
     view_n(p.block_mask, *c.block_mask);
   }
   if (c.kv_len) {

@@ -45,11 +45,12 @@ bool hopper_device() {
   fc::device_problem dp;
   const std::array<std::int64_t, 4> shape{1, 1, 16, 64};
   const std::array<std::int64_t, 4> stride{1024, 1024, 64, 1};
-  alignas(16) static const std::uint16_t kDummy[8] = {};  // never read: only shapes are checked
-  dp.q = {kDummy, shape, stride};
-  dp.k = {kDummy, shape, stride};
-  dp.v = {kDummy, shape, stride};
-  dp.o = {const_cast<std::uint16_t*>(kDummy), shape, stride};
+  alignas(16) static std::uint16_t dummy[8] = {};  // never read: only shapes are checked
+  const auto bf16 = input_dtype::bfloat16;
+  dp.q = {dummy, bf16, shape, stride};
+  dp.k = {dummy, bf16, shape, stride};
+  dp.v = {dummy, bf16, shape, stride};
+  dp.o = {dummy, input_dtype::float32, shape, stride};
   dp.kernel = fc::kernel_choice::hopper;
   try {
     return std::string(fc::kernel_for(dp)) == "hopper";
@@ -188,8 +189,7 @@ std::vector<float> run_device_entry(const problem_shape& s, const flashref::prob
   device_copy dc;
   const auto q = to_bits(op.q), k = to_bits(op.k), v = to_bits(op.v);
   fc::device_problem dp;
-  dp.input = input_dtype::bfloat16;
-  dp.output = input_dtype::bfloat16;
+  const auto bf16 = input_dtype::bfloat16;
   auto blhd = [](std::int64_t B, std::int64_t L, std::int64_t H, std::int64_t D) {
     return std::pair{std::array<std::int64_t, 4>{B, H, L, D},
                      std::array<std::int64_t, 4>{L * H * D, D, H * D, 1}};
@@ -198,19 +198,20 @@ std::vector<float> run_device_entry(const problem_shape& s, const flashref::prob
   auto [ks, kst] = blhd(s.B, s.Lk, s.Hk, s.D);
   auto [vs, vst] = blhd(s.B, s.Lk, s.Hk, s.Dv);
   auto [os, ost] = blhd(s.B, s.Lq, s.Hq, s.Dv);
-  dp.q = {dc.upload(q.data(), q.size() * 2), qs, qst};
-  dp.k = {dc.upload(k.data(), k.size() * 2), ks, kst};
-  dp.v = {dc.upload(v.data(), v.size() * 2), vs, vst};
+  dp.q = {dc.upload(q.data(), q.size() * 2), bf16, qs, qst};
+  dp.k = {dc.upload(k.data(), k.size() * 2), bf16, ks, kst};
+  dp.v = {dc.upload(v.data(), v.size() * 2), bf16, vs, vst};
   const std::size_t o_count = std::size_t(s.B * s.Lq * s.Hq * s.Dv);
-  dp.o = {dc.alloc(o_count * 2), os, ost};
+  dp.o = {dc.alloc(o_count * 2), bf16, os, ost};
   const std::size_t rows = std::size_t(s.B * s.Hq * s.Lq);
-  dp.lse = {dc.alloc(rows * 4), {s.B, s.Hq, s.Lq}, {s.Hq * s.Lq, s.Lq, 1}};
+  dp.lse = {dc.alloc(rows * 4), input_dtype::float32, {s.B, s.Hq, s.Lq}, {s.Hq * s.Lq, s.Lq, 1}};
   dp.causal = p.causal;
   dp.window_left = p.window_left;
   dp.window_right = p.window_right;
   if (p.has_block_mask()) {
     const auto& mask = op.opt.block_mask;
-    dp.block_mask = {dc.upload(mask.data(), mask.size()), p.block_mask.shape, p.block_mask.stride};
+    dp.block_mask = {static_cast<const std::uint8_t*>(dc.upload(mask.data(), mask.size())),
+                     p.block_mask.shape, p.block_mask.stride};
     dp.block_q = p.block_q;
     dp.block_k = p.block_k;
   }
@@ -349,33 +350,43 @@ TEST_CASE("cuda device entry: kernel choice and errors name the field", "[cuda]"
   fc::device_problem dp;
   const std::array<std::int64_t, 4> shape{1, 2, 16, 64};
   const std::array<std::int64_t, 4> stride{2048, 1024, 64, 1};
-  static const float kDummy[4] = {};  // never read: only shapes are checked before a launch
-  dp.q = {kDummy, shape, stride};
-  dp.k = {kDummy, shape, stride};
-  dp.v = {kDummy, shape, stride};
-  dp.o = {nullptr, shape, stride};
-  dp.input = input_dtype::bfloat16;
-  dp.o.data = const_cast<float*>(kDummy);
+  static float dummy[4] = {};  // never read: only shapes are checked before a launch
+  const auto bf16 = input_dtype::bfloat16;
+  dp.q = {dummy, bf16, shape, stride};
+  dp.k = {dummy, bf16, shape, stride};
+  dp.v = {dummy, bf16, shape, stride};
+  dp.o = {dummy, input_dtype::float32, shape, stride};
+  const auto set_input = [&](input_dtype t) { dp.q.dtype = dp.k.dtype = dp.v.dtype = t; };
   CHECK(std::string(fc::kernel_for(dp)) == (hopper_device() ? "hopper" : "tensor_core"));
   dp.kernel = fc::kernel_choice::tensor_core;
   CHECK(std::string(fc::kernel_for(dp)) == "tensor_core");
   dp.kernel = fc::kernel_choice::simt;
   CHECK(std::string(fc::kernel_for(dp)) == "simt");
   dp.kernel = fc::kernel_choice::automatic;
-  dp.input = input_dtype::float32;
+  set_input(input_dtype::float32);
   CHECK(std::string(fc::kernel_for(dp)) == "simt");
   dp.kernel = fc::kernel_choice::hopper;  // float32 input: no tensor-core kernel takes it
   REQUIRE_THROWS_WITH(fc::kernel_for(dp), Catch::Contains("kernel: expected a problem the hopper"));
   dp.kernel = fc::kernel_choice::automatic;
 
-  dp.input = input_dtype::bfloat16;
+  set_input(bf16);
   dp.q.stride = {2048, 1024, 1, 16};  // not unit stride along D: the SIMT kernel
   CHECK(std::string(fc::kernel_for(dp)) == "simt");
   dp.q.stride = stride;
 
-  dp.output = input_dtype::float16;
-  REQUIRE_THROWS_WITH(fc::kernel_for(dp), Catch::Contains("output: expected float32"));
-  dp.output = input_dtype::float32;
+  dp.o.dtype = input_dtype::float16;
+  REQUIRE_THROWS_WITH(fc::kernel_for(dp),
+                      Catch::Contains("o: expected dtype float32 or the input dtype bfloat16, got "
+                                      "float16"));
+  dp.o.dtype = input_dtype::float32;
+  dp.v.dtype = input_dtype::float16;
+  REQUIRE_THROWS_WITH(fc::kernel_for(dp),
+                      Catch::Contains("v: expected dtype bfloat16 (q's), got float16"));
+  dp.v.dtype = bf16;
+  dp.lse = {dummy, bf16, {1, 2, 16}, {32, 16, 1}};
+  REQUIRE_THROWS_WITH(fc::kernel_for(dp),
+                      Catch::Contains("lse: expected dtype float32, got bfloat16"));
+  dp.lse = {};
 
   const std::array<std::int64_t, 4> big{1, 2, 16, 300};
   dp.q.shape = big, dp.k.shape = big;
@@ -463,7 +474,7 @@ stream_result run_on_stream(const flashref::problem_data& op, input_dtype input,
     return d;
   };
   std::vector<std::vector<std::uint16_t>> bits;  // kept alive until the stream is synchronized
-  auto tensor = [&](const xt::xtensor<float, 4>& x) -> const void* {
+  auto tensor = [&](const xt::xtensor<float, 4>& x) -> void* {
     if (input == input_dtype::float32) return upload(x.data(), x.size() * sizeof(float));
     bits.emplace_back(x.size());
     for (std::size_t i = 0; i < x.size(); ++i)
@@ -471,24 +482,27 @@ stream_result run_on_stream(const flashref::problem_data& op, input_dtype input,
     return upload(bits.back().data(), x.size() * 2);
   };
   fc::device_problem dp;
-  dp.input = input;
-  dp.output = input_dtype::float32;
-  dp.q = {tensor(op.q), p.q.shape, p.q.stride};
-  dp.k = {tensor(op.k), p.k.shape, p.k.stride};
-  dp.v = {tensor(op.v), p.v.shape, p.v.stride};
+  dp.q = {tensor(op.q), input, p.q.shape, p.q.stride};
+  dp.k = {tensor(op.k), input, p.k.shape, p.k.stride};
+  dp.v = {tensor(op.v), input, p.v.shape, p.v.stride};
   const std::int64_t B = p.batch(), Hq = p.heads_q(), Lq = p.len_q(), Dv = p.head_dim_v();
   stream_result r;
   r.o.resize(std::size_t(B * Hq * Lq * Dv));
   r.lse.resize(std::size_t(B * Hq * Lq));
-  dp.o = {upload(r.o.data(), r.o.size() * 4), {B, Hq, Lq, Dv}, {Hq * Lq * Dv, Lq * Dv, Dv, 1}};
-  dp.lse = {upload(r.lse.data(), r.lse.size() * 4), {B, Hq, Lq}, {Hq * Lq, Lq, 1}};
+  dp.o = {upload(r.o.data(), r.o.size() * 4),
+          input_dtype::float32,
+          {B, Hq, Lq, Dv},
+          {Hq * Lq * Dv, Lq * Dv, Dv, 1}};
+  dp.lse = {
+      upload(r.lse.data(), r.lse.size() * 4), input_dtype::float32, {B, Hq, Lq}, {Hq * Lq, Lq, 1}};
   dp.scale = p.scale;
   dp.causal = p.causal;
   dp.window_left = p.window_left;
   dp.window_right = p.window_right;
   if (p.has_block_mask()) {
     const auto& mask = op.opt.block_mask;
-    dp.block_mask = {upload(mask.data(), mask.size()), p.block_mask.shape, p.block_mask.stride};
+    dp.block_mask = {static_cast<const std::uint8_t*>(upload(mask.data(), mask.size())),
+                     p.block_mask.shape, p.block_mask.stride};
     dp.block_q = p.block_q;
     dp.block_k = p.block_k;
   }

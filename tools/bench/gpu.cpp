@@ -115,15 +115,13 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
     r.threads = 0;
     r.nan_rows = r.empty_rows = r.empty_rows_bad = 0;
     cuda::device_problem dp;
-    dp.input = dt;
-    dp.output = dt;
     const std::array<std::int64_t, 4> shape{B, Hq, L, D};
     const std::array<std::int64_t, 4> stride{Hq * L * D, L * D, D, 1};
-    dp.q = {q.get(), shape, stride};
-    dp.k = {k.get(), shape, stride};
-    dp.v = {v.get(), shape, stride};
-    dp.o = {o.get(), shape, stride};
-    dp.lse = {lse.get(), {B, Hq, L}, {Hq * L, L, 1}};
+    dp.q = {q.get(), dt, shape, stride};
+    dp.k = {k.get(), dt, shape, stride};
+    dp.v = {v.get(), dt, shape, stride};
+    dp.o = {o.get(), dt, shape, stride};
+    dp.lse = {lse.get(), input_dtype::float32, {B, Hq, L}, {Hq * L, L, 1}};
     double fraction = 1.0;
     device_ptr mask_dev;
     std::vector<std::uint8_t> mask;
@@ -148,7 +146,9 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
       mask_dev = device_alloc(mask.size());
       check(cudaMemcpy(mask_dev.get(), mask.data(), mask.size(), cudaMemcpyHostToDevice),
             "cudaMemcpy");
-      dp.block_mask = {mask_dev.get(), {1, Hq, nb, nb}, {Hq * nb * nb, nb * nb, nb, 1}};
+      dp.block_mask = {static_cast<const std::uint8_t*>(mask_dev.get()),
+                       {1, Hq, nb, nb},
+                       {Hq * nb * nb, nb * nb, nb, 1}};
       dp.block_q = block;
       dp.block_k = block;
     }

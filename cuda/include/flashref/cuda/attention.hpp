@@ -43,30 +43,24 @@ enum class kernel_choice { automatic, hopper, tensor_core, simt };
 // NaN or inf (SPEC §2, cuda/NOTES.md), runs the simt kernel whatever the choice.
 void attention(const attention_problem& p, kernel_choice kernel = kernel_choice::automatic);
 
-// A device tensor: pointer + shape + strides, in elements of the tensor's dtype.
+// A tensor in device memory: pointer, element type, shape and strides (in elements). The one
+// view type of the CUDA entries: the device entry takes it from the caller, the host entry
+// describes its own device copies with it, and the kernels' parameters are built from it.
 template <int R>
-struct device_view {
-  const void* data = nullptr;
-  std::array<std::int64_t, R> shape{};
-  std::array<std::int64_t, R> stride{};
-};
-
-template <int R>
-struct device_out_view {
+struct device_tensor {
   void* data = nullptr;
+  input_dtype dtype = input_dtype::float32;  // float32, bfloat16 or float16
   std::array<std::int64_t, R> shape{};
   std::array<std::int64_t, R> stride{};
 };
 
 // The attention problem of SPEC §2 over caller-owned device memory.
 struct device_problem {
-  input_dtype input = input_dtype::bfloat16;  // element type of q, k, v
-  input_dtype output = input_dtype::float32;  // element type of o: float32 or the input dtype
-  device_view<4> q;                           // (B, Hq, Lq, D)
-  device_view<4> k;                           // (B, Hk, Lk, D)
-  device_view<4> v;                           // (B, Hk, Lk, Dv)
-  device_out_view<4> o;                       // (B, Hq, Lq, Dv)
-  device_out_view<3> lse;                     // (B, Hq, Lq) float32, natural log; data may be null
+  device_tensor<4> q;    // (B, Hq, Lq, D); q, k and v share one dtype
+  device_tensor<4> k;    // (B, Hk, Lk, D)
+  device_tensor<4> v;    // (B, Hk, Lk, Dv)
+  device_tensor<4> o;    // (B, Hq, Lq, Dv) output: float32 or the input dtype
+  device_tensor<3> lse;  // (B, Hq, Lq) output: float32, natural log; data may be null
 
   std::optional<double> scale;  // default 1/sqrt(D)
   causal_mode causal = causal_mode::none;
@@ -75,7 +69,7 @@ struct device_problem {
 
   // Block mask (Bm, Hm, ceil(Lq/block_q), ceil(Lk/block_k)) of uint8 in device memory;
   // Bm in {1, B}, Hm in {1, Hq}; absent when block_mask.data is null.
-  device_view<4> block_mask;
+  strided<const std::uint8_t, 4> block_mask;
   std::int64_t block_q = 0;
   std::int64_t block_k = 0;
 
