@@ -435,7 +435,7 @@ cudaError_t launch_bwd(const backward_params& bp, cudaStream_t stream) {
   e = cudaFuncSetAttribute(tc_dq_kernel<T, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            dq_smem<kD>::kBytes);
   if (e != cudaSuccess) return e;
-  if (p.len_k > 0) {
+  if (p.len_k > 0 && p.heads_k > 0 && p.batch > 0) {
     const dim3 grid(static_cast<unsigned>((p.len_k + kTileK - 1) / kTileK),
                     static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
     tc_dkdv_kernel<T, kD><<<grid, kThreads, dkdv_smem<kD>::kBytes, stream>>>(bp);
@@ -444,7 +444,7 @@ cudaError_t launch_bwd(const backward_params& bp, cudaStream_t stream) {
     e = cudaGetLastError();
     return e != cudaSuccess ? e : launch_backward_dq_finish(bp, stream);
   }
-  if (p.len_q > 0) {
+  if (p.len_q > 0 && p.heads_q > 0 && p.batch > 0) {
     const dim3 grid(static_cast<unsigned>((p.len_q + kTileQ - 1) / kTileQ),
                     static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
     tc_dq_kernel<T, kD><<<grid, kThreads, dq_smem<kD>::kBytes, stream>>>(bp);

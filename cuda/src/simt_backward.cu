@@ -295,12 +295,12 @@ cudaError_t launch_simt_bwd(const backward_params& bp, cudaStream_t stream) {
                                                static_cast<int>(smem_bytes));
     if (e != cudaSuccess) return e;
   }
-  if (p.len_k > 0) {
+  if (p.len_k > 0 && p.heads_k > 0 && p.batch > 0) {
     const dim3 grid(static_cast<unsigned>((p.len_k + kTile - 1) / kTile),
                     static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
     simt_dkdv_kernel<T><<<grid, kThreads, smem_bytes, stream>>>(bp);
   }
-  if (p.len_q > 0) {
+  if (p.len_q > 0 && p.heads_q > 0 && p.batch > 0) {
     const dim3 grid(static_cast<unsigned>((p.len_q + kTile - 1) / kTile),
                     static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
     simt_dq_kernel<T><<<grid, kThreads, smem_bytes, stream>>>(bp);
