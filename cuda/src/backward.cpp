@@ -195,9 +195,8 @@ void attention_backward(const attention_problem& p, const attention_gradients& g
     dp.d_o = packed(g.d_o.shape, t);
   };
   describe_inputs(p.dtype);
-  const host_choice hc =
-      host_input(p.dtype, kernel, tensor_core_backward_applies(dp),
-                 q_finite && k_finite && v_finite && d_o_finite);
+  const host_choice hc = host_input(p.dtype, kernel, tensor_core_backward_applies(dp),
+                                    q_finite && k_finite && v_finite && d_o_finite);
   describe_inputs(hc.input);
   dp.forward.kernel = hc.kernel;
   const kernel_kind chosen = choose_backward(dp);

@@ -116,7 +116,6 @@ std::array<std::int64_t, R> dense_strides(const std::array<std::int64_t, R>& sha
   return row_major_strides<float, R>(shape);
 }
 
-
 // The element type a host entry uploads q, k, v in, and the kernel choice that goes with it.
 // The host holds float32 data; bfloat16 / float16 (p.dtype, whose values the caller promises
 // are exact) go to a tensor-core kernel where `tensor_core_shape` says one takes the problem,
