@@ -34,7 +34,11 @@ struct bench_record {
   std::uint64_t mask_hash = 0;       // of the block-sparse mask (block_sparse_mask)
   std::int64_t nan_rows = -1;        // rows holding NaN or +inf (-1: not checked)
   std::int64_t empty_rows = -1;      // rows with LSE = -inf
-  std::int64_t empty_rows_bad = -1;  // empty rows whose O is not exactly 0
+  std::int64_t empty_rows_bad = -1;  // empty rows whose O (dQ for a backward) is not exactly 0
+  // A backward's record (SPEC §9: 2.5 x the forward's FLOPs): pass "backward" and, on the GPU,
+  // how dQ was summed: "deterministic" or "atomic". Empty for a forward.
+  std::string pass;
+  std::string dq_mode;
 };
 
 nlohmann::json to_json(const bench_record& r);
