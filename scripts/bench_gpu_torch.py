@@ -8,7 +8,7 @@ block mask flashref used (regenerated here with the same counter-based generator
 against flashref's hash). Prints TFLOP/s and the ratio of flashref's figure to each, and
 writes the records as JSON.
 
-Records of the backward (`bench-gpu --backward`: "pass": "backward", both dQ modes) are matched
+Records of the backward (`bench-gpu --backward`: "pass": "backward") are matched
 by PyTorch's backward through autograd on the same kernels: the forward runs once outside the
 timing, then only `torch.autograd.grad(out, (q, k, v), dO, retain_graph=True)` is timed (SDPA
 flash, SDPA cuDNN, FlexAttention compiled with the same BlockMask). The FLOPs are flashref's
@@ -118,7 +118,7 @@ def main():
     dtype_of = {"bfloat16": torch.bfloat16, "float16": torch.float16}
     records = []
     shapes = {}
-    measured = {}  # PyTorch's times per point and pass: both dQ modes compare with one run
+    measured = {}  # PyTorch's times per point and pass
     print(f"{'mask':13s} {'pass':18s} {'L':>6s} {'D':>4s} {'vis':>6s} {'ours':>7s} {'flash':>7s} {'cudnn':>7s} "
           f"{'flex':>7s} {'/flash':>7s} {'/cudnn':>7s} {'/flex':>7s}   (TFLOP/s; ours/theirs)")
     for r in ours:
@@ -146,7 +146,6 @@ def main():
             return time_fn(lambda: torch.autograd.grad(o, (qg, kg, vg), d_o, retain_graph=True),
                            args.seconds)
 
-        # A backward point is measured once for both of flashref's dQ modes.
         if not times and r["mask"] in ("dense", "causal"):
             causal = r["mask"] == "causal"
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -171,7 +170,7 @@ def main():
                     mask = np.ones((H, (L + 127) // 128, (L + 127) // 128), np.uint8)
                 bm = to_block_mask(mask, r["block"] if r["mask"] == "block_sparse" else 128, L)
             times["flex"] = timed(lambda a, b, c: flex(a, b, c, block_mask=bm, scale=scale))
-        pass_name = "forward" if not backward else f"backward ({r.get('dq_mode', '')})"
+        pass_name = "backward" if backward else "forward"
         line = f"{r['mask']:13s} {pass_name:18s} {L:6d} {D:4d} {r['visible_fraction']:6.3f} {r['tflops']:7.1f}"
         for name in ("flash", "cudnn", "flex"):
             t = times.get(name)

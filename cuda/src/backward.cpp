@@ -18,7 +18,7 @@ using namespace host;
 
 namespace {
 
-// Workspace floats are kept in 256-byte pieces: Delta first, then the dQ accumulator.
+// The workspace (Delta) in whole 256-byte pieces.
 constexpr std::size_t kWorkspaceAlign = 256;
 
 std::size_t round_up(std::size_t bytes) {
@@ -92,16 +92,10 @@ kernel_kind validate_device_backward(const device_backward_problem& p) {
   return kernel;
 }
 
-bool atomic_dq(const device_backward_problem& p, kernel_kind kernel) {
-  return !p.deterministic && kernel == kernel_kind::tensor_core;
-}
-
-std::size_t workspace_bytes(const device_backward_problem& p, kernel_kind kernel) {
+std::size_t workspace_bytes(const device_backward_problem& p) {
   const std::size_t rows =
       std::size_t(p.forward.q.shape[0] * p.forward.q.shape[1] * p.forward.q.shape[2]);
-  std::size_t bytes = round_up(rows * sizeof(float)) + kWorkspaceAlign;  // never empty
-  if (atomic_dq(p, kernel)) bytes += round_up(rows * std::size_t(p.forward.q.shape[3]) * 4);
-  return bytes;
+  return round_up(rows * sizeof(float)) + kWorkspaceAlign;  // never empty
 }
 
 // Enqueues a validated backward; `mask` carries the problem's mask (kv_len from p.forward).
@@ -120,7 +114,7 @@ void enqueue_backward(const device_backward_problem& p, kernel_kind kernel, cons
   copy_array(bp.dk_stride, p.d_k.stride);
   copy_array(bp.dv_stride, p.d_v.stride);
 
-  const std::size_t need = workspace_bytes(p, kernel);
+  const std::size_t need = workspace_bytes(p);
   void* ws = p.workspace;
   if (ws == nullptr) {
     check(cudaMallocAsync(&ws, need, stream), "cudaMallocAsync (backward workspace)");
@@ -129,10 +123,6 @@ void enqueue_backward(const device_backward_problem& p, kernel_kind kernel, cons
                         std::to_string(p.workspace_bytes));
   }
   bp.delta = static_cast<float*>(ws);
-  const std::size_t rows = std::size_t(bp.fwd.batch * bp.fwd.heads_q * bp.fwd.len_q);
-  bp.dq_accum = atomic_dq(p, kernel)
-                    ? reinterpret_cast<float*>(static_cast<char*>(ws) + round_up(rows * 4))
-                    : nullptr;
   const input_dtype in = p.forward.q.dtype;
   cudaError_t e = detail::launch_backward_delta(bp, stream);
   if (e == cudaSuccess) {
@@ -151,7 +141,8 @@ void enqueue_backward(const device_backward_problem& p, kernel_kind kernel, cons
 }  // namespace
 
 std::size_t backward_workspace_bytes(const device_backward_problem& p) {
-  return workspace_bytes(p, validate_device_backward(p));
+  validate_device_backward(p);
+  return workspace_bytes(p);
 }
 
 const char* backward_kernel_for(const device_backward_problem& p) {
@@ -222,7 +213,7 @@ void attention_backward(const attention_problem& p, const attention_gradients& g
   dp.d_q.data = up.alloc(std::size_t(B * Hq * Lq * D) * sizeof(float));
   dp.d_k.data = up.alloc(std::size_t(B * Hk * Lk * D) * sizeof(float));
   dp.d_v.data = up.alloc(std::size_t(B * Hk * Lk * Dv) * sizeof(float));
-  dp.workspace_bytes = workspace_bytes(dp, chosen);
+  dp.workspace_bytes = workspace_bytes(dp);
   dp.workspace = up.alloc(dp.workspace_bytes);
 
   // The mask as the kernels see it: the block mask's device copy (dense strides), kv_len in

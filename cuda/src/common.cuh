@@ -148,7 +148,8 @@ struct query_tile_walker {
     }
     const std::int64_t last = lo;
     tile_begin = first / kTileQ;
-    tile_end = last > first ? (last + kTileQ - 1) / kTileQ : tile_begin;
+    // No rows, or no query heads (Hq = 0 leaves a key/value head without a group): no tiles.
+    tile_end = last > first && h < h_end ? (last + kTileQ - 1) / kTileQ : tile_begin;
     base = tile_begin - 32;
   }
 

@@ -55,20 +55,14 @@ struct backward_params {
   void* dv;       // (B, Hk, Lk, Dv)
   elem grad_out;  // f32, or the input element type
   std::int64_t d_o_stride[4], dq_stride[4], dk_stride[4], dv_stride[4];
-  float* delta;     // (B, Hq, Lq) contiguous workspace: Delta = rowsum(dO ∘ O)
-  float* dq_accum;  // (B, Hq, Lq, D) contiguous float32 workspace, or null: deterministic dQ
+  float* delta;  // (B, Hq, Lq) contiguous workspace: Delta = rowsum(dO ∘ O)
 };
 
-// Delta = rowsum(dO ∘ O) into p.delta (and p.dq_accum zeroed when present): every backward
-// runs it first.
+// Delta = rowsum(dO ∘ O) into p.delta: every backward runs it first.
 cudaError_t launch_backward_delta(const backward_params& p, cudaStream_t stream);
 
-// dQ = scale · p.dq_accum into p.dq (dtype, strides): the end of the non-deterministic mode.
-cudaError_t launch_backward_dq_finish(const backward_params& p, cudaStream_t stream);
-
 // The tensor-core backward (the same problems as launch_tensor_core, and dO in the input element
-// type with the same layout rule): dK, dV per key tile; dQ by its own pass, or with p.dq_accum,
-// by fp32 atomics from the dK, dV pass followed by a scaling pass.
+// type with the same layout rule): dK, dV per key tile, then dQ by its own pass.
 cudaError_t launch_tensor_core_backward(const backward_params& p, elem input, cudaStream_t stream);
 
 // The float32 SIMT backward: any strides, head dims up to kSimtMaxHeadDim, any dtypes.

@@ -1,6 +1,6 @@
 // The backward pass (SPEC §9) outside the tensor cores: the Delta pre-pass every backward runs
-// first, the pass that scales the atomically accumulated dQ of the non-deterministic mode, and
-// the float32 SIMT backward (any strides, head dims up to kSimtMaxHeadDim, any element types).
+// first, and the float32 SIMT backward (any strides, head dims up to kSimtMaxHeadDim, any element
+// types).
 //
 // The SIMT backward is two kernels, each owning what it writes, so that no sum depends on the
 // order in which blocks run (bitwise deterministic):
@@ -61,26 +61,6 @@ __global__ void delta_kernel(const backward_params bp) {
   for (int off = 16; off > 0; off /= 2)
     s += __shfl_xor_sync(kFullWarp, s, off);
   if (lane == 0) bp.delta[row] = s;
-  if (bp.dq_accum != nullptr) {
-    for (std::int64_t d = lane; d < p.head_dim; d += 32)
-      bp.dq_accum[row * p.head_dim + d] = 0.f;
-  }
-}
-
-// dQ = scale · accumulator, into dQ's element type and strides (the non-deterministic mode).
-__global__ void dq_finish_kernel(const backward_params bp) {
-  const kernel_params& p = bp.fwd;
-  const std::int64_t n = p.batch * p.heads_q * p.len_q * p.head_dim;
-  for (std::int64_t idx = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; idx < n;
-       idx += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int64_t d = idx % p.head_dim, row = idx / p.head_dim;
-    const std::int64_t i = row % p.len_q, h = row / p.len_q % p.heads_q,
-                       b = row / (p.len_q * p.heads_q);
-    store_elem(
-        bp.dq,
-        b * bp.dq_stride[0] + h * bp.dq_stride[1] + i * bp.dq_stride[2] + d * bp.dq_stride[3],
-        p.scale * bp.dq_accum[idx], bp.grad_out);
-  }
 }
 
 struct simt_bwd_smem {
@@ -316,14 +296,6 @@ cudaError_t launch_backward_delta(const backward_params& bp, cudaStream_t stream
   const unsigned blocks =
       static_cast<unsigned>((rows + kRowsPerDeltaBlock - 1) / kRowsPerDeltaBlock);
   delta_kernel<<<blocks, kRowsPerDeltaBlock * 32, 0, stream>>>(bp);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_backward_dq_finish(const backward_params& bp, cudaStream_t stream) {
-  const std::int64_t n = bp.fwd.batch * bp.fwd.heads_q * bp.fwd.len_q * bp.fwd.head_dim;
-  if (n == 0) return cudaSuccess;
-  const unsigned blocks = static_cast<unsigned>(n / 256 + 1 < 8192 ? n / 256 + 1 : 8192);
-  dq_finish_kernel<<<blocks, 256, 0, stream>>>(bp);
   return cudaGetLastError();
 }
 

@@ -17,9 +17,8 @@
 //    tiles the rows see (tile_walker) stream through shared memory,
 //        S = Q_i K_jᵀ, dP = dO_i V_jᵀ, dS = P ∘ (dP − Delta), dQ_i += dS K_j.
 //
-// The non-deterministic mode (bp.dq_accum set) drops the dQ kernel: the dK, dV kernel stores
-// dS to shared memory and adds dS K_j to a float32 dQ with atomicAdd (order of arrival), which
-// dq_finish scales into dQ.
+// dQ by atomics instead (the dK, dV kernel adding dS K_j to a float32 dQ, as FlashAttention-2
+// does) measured slower than the separate pass and is not kept (cuda/NOTES.md).
 //
 // P and dS are rounded to the input type before their products (SPEC §9). A masked pair gets
 // P = dS = 0 by selection, never by a product, and a full tile skips the element mask.
@@ -89,27 +88,6 @@ __device__ __forceinline__ void mma_pb(float (&acc)[kCols][4], const float (&p)[
   }
 }
 
-// acc (16 x 8 kCols) += A B[:, c0 : c0 + 8 kCols]: A rows a_row0 + [0, 16) of sA (rows of kN),
-// B the kN rows of sB (rows of kD), read transposed.
-template <class T, int kD, int kN, int kCols>
-__device__ __forceinline__ void mma_ab(float (&acc)[kCols][4], const T* sA, int a_row0, const T* sB,
-                                       int c0, int lane) {
-#pragma unroll
-  for (int ks = 0; ks < kN / 16; ++ks) {
-    std::uint32_t af[4];
-    ldmatrix_x4(af, sA + swizzled<kN>::offset(a_row0 + lane % 8 + ((lane / 8) % 2) * 8,
-                                              2 * ks + lane / 16));
-#pragma unroll
-    for (int nb = 0; nb < kCols; nb += 2) {
-      std::uint32_t bf[4];
-      ldmatrix_x4_trans(bf, sB + swizzled<kD>::offset(ks * 16 + lane % 8 + ((lane / 8) % 2) * 8,
-                                                      c0 + nb + lane / 16));
-      mma_16816<T>(acc[nb], af, bf[0], bf[1]);
-      mma_16816<T>(acc[nb + 1], af, bf[2], bf[3]);
-    }
-  }
-}
-
 // P = exp(S scale − LSE) through the guard (exp_base: an empty row's LSE = −inf counts as 0,
 // and every score of such a row is masked), dS = P (dP − Delta); masked pairs 0 by selection.
 // s becomes P and dp becomes dS.
@@ -123,10 +101,9 @@ __device__ __forceinline__ void probabilities_and_ds(float& s, float& dp, bool o
 
 template <int kD>
 struct dkdv_smem {
-  static constexpr int kKV = kTileK * kD;      // sK, sV: (kTileK, kD)
-  static constexpr int kQ = kTileQ * kD;       // sQ[s], sdO[s]: (kTileQ, kD)
-  static constexpr int kDS = kTileQ * kTileK;  // sdS: (kTileQ, kTileK), atomic dQ only
-  static constexpr int kElems = 2 * kKV + 4 * kQ + kDS;
+  static constexpr int kKV = kTileK * kD;  // sK, sV: (kTileK, kD)
+  static constexpr int kQ = kTileQ * kD;   // sQ[s], sdO[s]: (kTileQ, kD)
+  static constexpr int kElems = 2 * kKV + 4 * kQ;
   static constexpr int kFloats = 4 * kTileQ;  // sLSE[s], sDelta[s]: (kTileQ)
   static constexpr int kBytes = kElems * 2 + kFloats * 4;
 };
@@ -137,13 +114,12 @@ __global__ void __launch_bounds__(kThreads, 1) tc_dkdv_kernel(const backward_par
   constexpr int kCols = kD / 8;  // n8 blocks of dK, dV
   const kernel_params& p = bp.fwd;
   extern __shared__ __align__(128) unsigned char s_raw[];
-  T* sK = reinterpret_cast<T*>(s_raw);                      // (kTileK, kD)
-  T* sV = sK + smem::kKV;                                   // (kTileK, kD)
-  T* sQ = sV + smem::kKV;                                   // (2, kTileQ, kD)
-  T* sdO = sQ + 2 * smem::kQ;                               // (2, kTileQ, kD)
-  T* sdS = sdO + 2 * smem::kQ;                              // (kTileQ, kTileK)
-  float* sLSE = reinterpret_cast<float*>(sdS + smem::kDS);  // (2, kTileQ)
-  float* sDelta = sLSE + 2 * kTileQ;                        // (2, kTileQ)
+  T* sK = reinterpret_cast<T*>(s_raw);                         // (kTileK, kD)
+  T* sV = sK + smem::kKV;                                      // (kTileK, kD)
+  T* sQ = sV + smem::kKV;                                      // (2, kTileQ, kD)
+  T* sdO = sQ + 2 * smem::kQ;                                  // (2, kTileQ, kD)
+  float* sLSE = reinterpret_cast<float*>(sdO + 2 * smem::kQ);  // (2, kTileQ)
+  float* sDelta = sLSE + 2 * kTileQ;                           // (2, kTileQ)
 
   const int warp = static_cast<int>(threadIdx.x) / 32;
   const int lane = static_cast<int>(threadIdx.x) % 32;
@@ -237,39 +213,8 @@ __global__ void __launch_bounds__(kThreads, 1) tc_dkdv_kernel(const backward_par
 
       mma_pb<T, kD, kN, kCols>(rdV, rS, sdOr, 0, lane);  // dV += Pᵀ dO
       mma_pb<T, kD, kN, kCols>(rdK, rdP, sQr, 0, lane);  // dK += dSᵀ Q
-
-      if (bp.dq_accum != nullptr) {  // dS (rows, keys) to shared memory for the dQ product
-#pragma unroll
-        for (int nb = 0; nb < kN / 8; ++nb) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int row = r0 + nb * 8 + (lane % 4) * 2 + e % 2;
-            const int key = warp * 16 + lane / 4 + 8 * (e / 2);
-            sdS[swizzled<kTileK>::offset(row, key / 8) + key % 8] = T(rdP[nb][e]);
-          }
-        }
-      }
     }
-
-    if (bp.dq_accum != nullptr) {  // warp w adds dS[16w : 16w + 16, :] K_j to dQ
-      __syncthreads();
-      float* gdq = bp.dq_accum + ((b * p.heads_q + h) * p.len_q) * kD;
-      constexpr int kChunk = 2;  // n8 blocks of dQ per pass: 16 columns
-#pragma unroll 1
-      for (int c0 = 0; c0 < kCols; c0 += kChunk) {
-        float acc[kChunk][4] = {};
-        mma_ab<T, kD, kTileK, kChunk>(acc, sdS, warp * 16, sK, c0, lane);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const std::int64_t i = q0 + warp * 16 + lane / 4 + 8 * (e / 2);
-          if (i >= p.len_q) continue;
-#pragma unroll
-          for (int nb = 0; nb < kChunk; ++nb)
-            atomicAdd(gdq + i * kD + (c0 + nb) * 8 + (lane % 4) * 2 + e % 2, acc[nb][e]);
-        }
-      }
-    }
-    __syncthreads();  // every warp is done with this stage (and sdS) before it is refilled
+    __syncthreads();  // every warp is done with this stage before it is refilled
 
     have = have_next;
     h = next_h;
@@ -439,10 +384,6 @@ cudaError_t launch_bwd(const backward_params& bp, cudaStream_t stream) {
     const dim3 grid(static_cast<unsigned>((p.len_k + kTileK - 1) / kTileK),
                     static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
     tc_dkdv_kernel<T, kD><<<grid, kThreads, dkdv_smem<kD>::kBytes, stream>>>(bp);
-  }
-  if (bp.dq_accum != nullptr) {
-    e = cudaGetLastError();
-    return e != cudaSuccess ? e : launch_backward_dq_finish(bp, stream);
   }
   if (p.len_q > 0 && p.heads_q > 0 && p.batch > 0) {
     const dim3 grid(static_cast<unsigned>((p.len_q + kTileQ - 1) / kTileQ),

@@ -25,7 +25,7 @@ struct gpu_bench_options {
   std::string dtype = "bfloat16";
   double seconds_per_point = 0.25;  // timed repetitions per point fill about this long
   std::uint64_t seed = 2024;
-  bool backward = false;  // also time the backward at every point, both dQ modes
+  bool backward = false;  // also time the backward at every point
 };
 
 void check(cudaError_t e, const char* what) {
@@ -118,7 +118,7 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
   device_ptr lse = device_alloc(std::size_t(grid.tokens * grid.model / min_d) * sizeof(float));
   std::vector<float> lse_host;
   double dense_time = 0;
-  double dense_bwd_time[2] = {0, 0};                        // deterministic, atomic
+  double dense_bwd_time = 0;
   std::pair<std::int64_t, std::int64_t> shape_now{-1, -1};  // (D, L) of dense_time
   for (const bench_point& pt : grid.points(opt.dtype)) {
     const std::int64_t B = pt.B, Hq = pt.Hq, L = pt.Lq, D = pt.D;
@@ -126,7 +126,7 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
     lse_host.resize(rows);
     if (shape_now != std::pair{D, L}) {
       shape_now = {D, L};
-      dense_time = dense_bwd_time[0] = dense_bwd_time[1] = 0;
+      dense_time = dense_bwd_time = 0;
     }
     bench_record r;
     r.point = pt;
@@ -225,52 +225,47 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
     print_row(table, r, "forward");
     results.push_back(r);
     if (opt.backward) {
-      // The backward from the forward just run (its O and LSE), both dQ modes. SPEC §9 counts
-      // 2.5 x the forward's FLOPs.
+      // The backward from the forward just run (its O and LSE). SPEC §9 counts 2.5 x the
+      // forward's FLOPs.
       cuda::device_backward_problem bp;
       bp.forward = dp;
       bp.d_o = {d_o.get(), dt, shape, stride};
       bp.d_q = {d_q.get(), dt, shape, stride};
       bp.d_k = {d_k.get(), dt, shape, stride};
       bp.d_v = {d_v.get(), dt, shape, stride};
-      for (const bool deterministic : {true, false}) {
-        bp.deterministic = deterministic;
-        bp.workspace_bytes = cuda::backward_workspace_bytes(bp);
-        device_ptr workspace = device_alloc(bp.workspace_bytes);
-        bp.workspace = workspace.get();
-        bench_record w = r;
-        w.pass = "backward";
-        w.dq_mode = deterministic ? "deterministic" : "atomic";
-        w.kernel = cuda::backward_kernel_for(bp);
-        for (void* g : {d_q.get(), d_k.get(), d_v.get()})
-          check(cudaMemset(g, 0xff, n * 2), "cudaMemset");  // NaN: unwritten elements show
-        w.median_s = median_time([&] { cuda::attention_backward(bp, nullptr); });
-        w.flops = 2.5 * r.flops;
-        w.gflops = w.flops / w.median_s * 1e-9;
-        double& dense_bwd = dense_bwd_time[deterministic ? 0 : 1];
-        if (pt.mask == "dense") dense_bwd = w.median_s;
-        w.vs_dense = pt.mask != "dense" && dense_bwd > 0 ? w.median_s / dense_bwd : 0;
-        // No NaN in any gradient; the dQ rows of empty rows exactly 0.
-        w.nan_rows = w.empty_rows_bad = 0;
-        std::vector<std::uint16_t> g_host(n);
-        for (void* g : {d_q.get(), d_k.get(), d_v.get()}) {
-          check(cudaMemcpy(g_host.data(), g, n * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
-          for (std::size_t row = 0; row < rows; ++row) {
-            bool bad_row = false, nonzero = false;
-            for (std::int64_t d = 0; d < D; ++d) {
-              const std::uint16_t bits = g_host[row * std::size_t(D) + std::size_t(d)];
-              bad_row = bad_row || half_not_finite(bits, dt);
-              nonzero = nonzero || (bits & 0x7fffu) != 0;
-            }
-            w.nan_rows += bad_row ? 1 : 0;
-            const bool empty = lse_host[row] == -INFINITY;
-            w.empty_rows_bad += (g == d_q.get() && empty && nonzero) ? 1 : 0;
+      bp.workspace_bytes = cuda::backward_workspace_bytes(bp);
+      device_ptr workspace = device_alloc(bp.workspace_bytes);
+      bp.workspace = workspace.get();
+      bench_record w = r;
+      w.pass = "backward";
+      w.kernel = cuda::backward_kernel_for(bp);
+      for (void* g : {d_q.get(), d_k.get(), d_v.get()})
+        check(cudaMemset(g, 0xff, n * 2), "cudaMemset");  // NaN: unwritten elements show
+      w.median_s = median_time([&] { cuda::attention_backward(bp, nullptr); });
+      w.flops = 2.5 * r.flops;
+      w.gflops = w.flops / w.median_s * 1e-9;
+      if (pt.mask == "dense") dense_bwd_time = w.median_s;
+      w.vs_dense = pt.mask != "dense" && dense_bwd_time > 0 ? w.median_s / dense_bwd_time : 0;
+      // No NaN in any gradient; the dQ rows of empty rows exactly 0.
+      w.nan_rows = w.empty_rows_bad = 0;
+      std::vector<std::uint16_t> g_host(n);
+      for (void* g : {d_q.get(), d_k.get(), d_v.get()}) {
+        check(cudaMemcpy(g_host.data(), g, n * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
+        for (std::size_t row = 0; row < rows; ++row) {
+          bool bad_row = false, nonzero = false;
+          for (std::int64_t d = 0; d < D; ++d) {
+            const std::uint16_t bits = g_host[row * std::size_t(D) + std::size_t(d)];
+            bad_row = bad_row || half_not_finite(bits, dt);
+            nonzero = nonzero || (bits & 0x7fffu) != 0;
           }
+          w.nan_rows += bad_row ? 1 : 0;
+          const bool empty = lse_host[row] == -INFINITY;
+          w.empty_rows_bad += (g == d_q.get() && empty && nonzero) ? 1 : 0;
         }
-        w.note = "reps=" + std::to_string(reps) + " kernel=" + w.kernel + " dq=" + w.dq_mode;
-        print_row(table, w, deterministic ? "backward" : "backward (atomic)");
-        results.push_back(std::move(w));
       }
+      w.note = "reps=" + std::to_string(reps) + " kernel=" + w.kernel;
+      print_row(table, w, "backward");
+      results.push_back(std::move(w));
     }
   }
   cudaEventDestroy(start);
@@ -297,8 +292,7 @@ void add_bench_gpu(CLI::App& app, exit_slot status) {
   cmd->add_option("--seed", opt->seed, "seed of the inputs and block masks");
   cmd->add_option("--json", *json, "write the records as JSON to this file");
   cmd->add_flag("--backward", opt->backward,
-                "also time the backward at every point (SPEC §9: 2.5 x the forward's FLOPs), dQ "
-                "deterministic and atomic");
+                "also time the backward at every point (SPEC §9: 2.5 x the forward's FLOPs)");
   cmd->callback([opt, json, status]() {
     check_output_path(*json);
     const std::vector<bench_record> results = run_grid(*opt, stdout);

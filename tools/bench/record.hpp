@@ -35,10 +35,8 @@ struct bench_record {
   std::int64_t nan_rows = -1;        // rows holding NaN or +inf (-1: not checked)
   std::int64_t empty_rows = -1;      // rows with LSE = -inf
   std::int64_t empty_rows_bad = -1;  // empty rows whose O (dQ for a backward) is not exactly 0
-  // A backward's record (SPEC §9: 2.5 x the forward's FLOPs): pass "backward" and, on the GPU,
-  // how dQ was summed: "deterministic" or "atomic". Empty for a forward.
+  // "backward" for a backward's record (SPEC §9: 2.5 x the forward's FLOPs); empty for a forward.
   std::string pass;
-  std::string dq_mode;
 };
 
 nlohmann::json to_json(const bench_record& r);

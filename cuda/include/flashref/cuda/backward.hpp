@@ -12,7 +12,7 @@
 // Both recompute P = exp(S·scale − LSE) from the forward's LSE through the guard of SPEC §9: a
 // row with no visible key (LSE = −inf) gets dQ = 0 and adds nothing to dK, dV; a key no row
 // sees gets dK = dV = 0 exactly. dK and dV of a key/value head sum its query heads (GQA/MQA).
-// The result is bitwise the same from run to run unless `deterministic` is turned off.
+// Every sum has a fixed order: the result is bitwise the same from run to run.
 
 #include <cstddef>
 
@@ -43,10 +43,6 @@ struct device_backward_problem {
   device_tensor<4> d_q;  // (B, Hq, Lq, D)  output: float32 or q's dtype, like d_k and d_v
   device_tensor<4> d_k;  // (B, Hk, Lk, D)  output
   device_tensor<4> d_v;  // (B, Hk, Lk, Dv) output
-  // false: the tensor-core kernel adds dQ with float32 atomics from its dK, dV pass instead of
-  // running its own dQ pass; the rounding of dQ then depends on the order of arrival. The SIMT
-  // kernel is deterministic either way.
-  bool deterministic = true;
   // Scratch of at least backward_workspace_bytes(*this) bytes in device memory, 256-byte
   // aligned; when null, the entry allocates it on the stream (cudaMallocAsync) and frees it
   // there after the kernels.
@@ -54,8 +50,7 @@ struct device_backward_problem {
   std::size_t workspace_bytes = 0;
 };
 
-// Scratch the backward needs: Delta = rowsum(dO ∘ O) (B·Hq·Lq floats) and, when not
-// deterministic on the tensor-core kernel, a float32 dQ.
+// Scratch the backward needs: Delta = rowsum(dO ∘ O), B·Hq·Lq floats.
 std::size_t backward_workspace_bytes(const device_backward_problem& p);
 
 // Device entry: validates shapes and dtypes on the host, then enqueues the kernels on `stream`.
