@@ -7,9 +7,13 @@
    and what one call allocates, as tracemalloc sees it.
 2. The SPEC §8 CPU grid (B·L = 4096 tokens, Hq·D = 2048, dense and causal): GFLOP/s of the C++
    entry and of flashref.attention, median of repeated runs after a warm-up.
+3. With --gpu OURS.json (the JSON of `flashref bench-gpu`, the C++ device entry timed with CUDA
+   events): the same grid points through flashref.attention on torch CUDA tensors (same
+   shapes, dtype and masks, the block masks regenerated as scripts/bench_gpu_torch.py does),
+   timed the same way on the current stream, and the ratio Python / C++.
 
 usage: build/venv/bin/python scripts/bench_python.py [--lengths 512 1024 ...] [--head-dims 64 128]
-       [--repeats N] [--calls N] [--backend cpu]
+       [--repeats N] [--calls N] [--backend cpu] [--gpu OURS.json [--seconds S]]
 """
 
 import argparse
@@ -86,6 +90,57 @@ def grid(backend, lengths, head_dims, repeats, tokens=4096, model=2048):
                       f"{flops / py * 1e-9:15.1f} {c_entry / py:11.3f}")
 
 
+def gpu_grid(ours_json, seconds, seed):
+    import json
+    import os
+    import sys
+
+    import torch
+
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_gpu_torch import bench_block_mask, fnv1a, time_fn
+
+    with open(ours_json) as f:
+        ours = json.load(f)
+    dtype_of = {"bfloat16": torch.bfloat16, "float16": torch.float16}
+    print(f"\nSPEC §8 GPU grid through torch CUDA tensors (flashref.attention, backend cuda) "
+          f"against the C++ device entry ({ours_json})")
+    print(f"{'mask':<13} {'B':>3} {'H':>3} {'L':>6} {'D':>4} {'dtype':>9} {'C++ TFLOP/s':>12} "
+          f"{'Python TFLOP/s':>15} {'Python/C++':>11}")
+    ratios = []
+    tensors = {}
+    for r in ours:
+        if r.get("backend") != "cuda" or r["mask"] not in ("dense", "causal", "block_sparse"):
+            continue
+        B, H, L, D = r["B"], r["Hq"], r["Lq"], r["D"]
+        key = (B, H, L, D, r["dtype"])
+        if key not in tensors:
+            tensors.clear()  # one shape's tensors at a time
+            g = torch.Generator(device="cuda").manual_seed(seed)
+            mk = lambda: (torch.randint(-128, 128, (B, H, L, D), device="cuda", generator=g)
+                          .to(torch.float32) * 2.0**-6).to(dtype_of[r["dtype"]])
+            tensors[key] = (mk(), mk(), mk())
+        q, k, v = tensors[key]
+        kwargs = {"backend": "cuda"}
+        if r["mask"] == "causal":
+            kwargs["causal"] = "bottom_right"
+        elif r["mask"] == "block_sparse":
+            mask = bench_block_mask(H, L, r["block"], r["density"], seed)
+            if str(fnv1a(mask)) != r["mask_hash"]:
+                sys.exit(f"block mask mismatch at L={L} D={D} density={r['density']}")
+            kwargs["block_mask"] = torch.from_numpy(mask[None]).to("cuda")
+            kwargs["block_size"] = r["block"]
+        t = time_fn(lambda: flashref.attention(q, k, v, **kwargs), seconds)
+        py = r["flops"] / t * 1e-12
+        ratios.append(py / r["tflops"])
+        label = r["mask"] if r["mask"] != "block_sparse" else f"bs {r['density']:g}"
+        print(f"{label:<13} {B:>3} {H:>3} {L:>6} {D:>4} {r['dtype']:>9} {r['tflops']:12.1f} "
+              f"{py:15.1f} {py / r['tflops']:11.3f}")
+    if ratios:
+        print(f"Python/C++: median {statistics.median(ratios):.3f}, min {min(ratios):.3f}, "
+              f"max {max(ratios):.3f} over {len(ratios)} points")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="cpu")
@@ -93,7 +148,14 @@ def main():
     ap.add_argument("--lengths", type=int, nargs="*", default=[512, 1024, 2048, 4096])
     ap.add_argument("--head-dims", type=int, nargs="*", default=[64, 128])
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--gpu", metavar="OURS.json",
+                    help="time the GPU grid points of this `flashref bench-gpu --json` file")
+    ap.add_argument("--seconds", type=float, default=0.25, help="timing budget per GPU point")
+    ap.add_argument("--seed", type=int, default=2024, help="bench-gpu's --seed")
     args = ap.parse_args()
+    if args.gpu:
+        gpu_grid(args.gpu, args.seconds, args.seed)
+        return
     tiny(args.backend, args.calls)
     if args.lengths:
         grid(args.backend, args.lengths, args.head_dims, args.repeats)

@@ -35,7 +35,11 @@ template <int kD>
 struct tiles {
   static_assert(kD % kBoxCols == 0, "whole 64-column boxes");
   static constexpr int kBoxes = kD / kBoxCols;
-  static constexpr int kStages = kD <= 64 ? 3 : 2;
+  // The consumers overlap one tile's P V with the next tile's softmax at D = 128 (consumer.cuh);
+  // holding two stages at once (tile j's K, tile j - 1's V), they need a third for the producer
+  // to load ahead: 3 stages at D = 128 (225 KiB with Q). D = 64 runs in sequence, 3 stages.
+  static constexpr bool kOverlap = kD == 128;
+  static constexpr int kStages = 3;
   static constexpr int kQBoxBytes = kTileQ * 128;   // (kTileQ, 64) 16-bit elements
   static constexpr int kKVBoxBytes = kTileK * 128;  // (kTileK, 64)
   static constexpr int kQBytes = kBoxes * kQBoxBytes;
