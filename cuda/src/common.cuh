@@ -53,6 +53,30 @@ __device__ __forceinline__ void store_out(void* o, std::int64_t off, float x, el
   }
 }
 
+// 32 tiles classified at once, one per lane, for the walkers below: lane l classifies tile
+// base + l (tiles at or past `end` are empty) and two ballots give the non-empty and the full
+// ones; every lane of the warp gets the same answer.
+struct tile_ballot {
+  unsigned nonempty = 0;
+  unsigned full = 0;
+
+  template <class Classify>
+  __device__ void classify(std::int64_t base, std::int64_t end, const Classify& classify_tile) {
+    const std::int64_t t = base + (threadIdx.x & 31);
+    const tile_class c = t < end ? classify_tile(t) : tile_class::empty;
+    nonempty = __ballot_sync(kFullWarp, c != tile_class::empty);
+    full = __ballot_sync(kFullWarp, c == tile_class::full);
+  }
+
+  // The next non-empty tile of the ballot, in ascending order (nonempty must be non-zero).
+  __device__ void pop(std::int64_t base, std::int64_t& tile, bool& is_full) {
+    const int bit = __ffs(nonempty) - 1;
+    nonempty &= nonempty - 1;
+    tile = base + bit;
+    is_full = (full >> bit) & 1u;
+  }
+};
+
 // The key tiles [k0, k0 + kTileK) of query rows [q0, q1) that hold a visible key, in ascending
 // order, each with its class (full: no element mask needed). Every lane of every warp of the
 // block calls next() the same number of times and gets the same answer: lane l classifies tile
@@ -66,8 +90,7 @@ struct tile_walker {
   std::int64_t key_end;  // min(Lk, kv_len[b]): keys at or past it are never loaded
   std::int64_t tile_end;
   std::int64_t base;
-  unsigned nonempty = 0;
-  unsigned full = 0;
+  tile_ballot ballot;
 
   __device__ tile_walker(const mask_spec& m, std::int64_t b_, std::int64_t h_, std::int64_t q0_,
                          std::int64_t q1_)
@@ -82,25 +105,18 @@ struct tile_walker {
   }
 
   __device__ bool next(std::int64_t& tile, bool& is_full) {
-    while (nonempty == 0) {
+    while (ballot.nonempty == 0) {
       base += 32;
       if (base >= tile_end) return false;
-      const std::int64_t t = base + (threadIdx.x & 31);
-      tile_class c = tile_class::empty;
-      if (t < tile_end) {
+      ballot.classify(base, tile_end, [&](std::int64_t t) {
         const std::int64_t k0 = t * kTileK;
         const std::int64_t k1 = k0 + kTileK < mask.len_k ? k0 + kTileK : mask.len_k;
-        c = mask.classify(b, h, q0, q1, k0, k1);
+        const tile_class c = mask.classify(b, h, q0, q1, k0, k1);
         // A tile running past the last key has keys that do not exist: element-mask it.
-        if (c == tile_class::full && k0 + kTileK > mask.len_k) c = tile_class::partial;
-      }
-      nonempty = __ballot_sync(kFullWarp, c != tile_class::empty);
-      full = __ballot_sync(kFullWarp, c == tile_class::full);
+        return c == tile_class::full && k0 + kTileK > mask.len_k ? tile_class::partial : c;
+      });
     }
-    const int bit = __ffs(nonempty) - 1;
-    nonempty &= nonempty - 1;
-    tile = base + bit;
-    is_full = (full >> bit) & 1u;
+    ballot.pop(base, tile, is_full);
     return true;
   }
 };
@@ -119,8 +135,7 @@ struct query_tile_walker {
   std::int64_t b, h, h_end, k0, k1;
   std::int64_t tile_begin, tile_end;
   std::int64_t base;
-  unsigned nonempty = 0;
-  unsigned full = 0;
+  tile_ballot ballot;
 
   __device__ query_tile_walker(const mask_spec& m, std::int64_t b_, std::int64_t h_begin,
                                std::int64_t h_end_, std::int64_t k0_, std::int64_t k1_)
@@ -154,29 +169,22 @@ struct query_tile_walker {
   }
 
   __device__ bool next(std::int64_t& head, std::int64_t& tile, bool& is_full) {
-    while (nonempty == 0) {
+    while (ballot.nonempty == 0) {
       base += 32;
       if (base >= tile_end) {  // this head is done: the next one of the group
         if (++h >= h_end) return false;
         base = tile_begin - 32;
         continue;
       }
-      const std::int64_t t = base + (threadIdx.x & 31);
-      tile_class c = tile_class::empty;
-      if (t < tile_end) {
+      ballot.classify(base, tile_end, [&](std::int64_t t) {
         const std::int64_t q0 = t * kTileQ;
         const std::int64_t q1 = q0 + kTileQ < mask.len_q ? q0 + kTileQ : mask.len_q;
-        c = mask.classify(b, h, q0, q1, k0, k1);
-        if (c == tile_class::full && q0 + kTileQ > mask.len_q) c = tile_class::partial;
-      }
-      nonempty = __ballot_sync(kFullWarp, c != tile_class::empty);
-      full = __ballot_sync(kFullWarp, c == tile_class::full);
+        const tile_class c = mask.classify(b, h, q0, q1, k0, k1);
+        return c == tile_class::full && q0 + kTileQ > mask.len_q ? tile_class::partial : c;
+      });
     }
-    const int bit = __ffs(nonempty) - 1;
-    nonempty &= nonempty - 1;
     head = h;
-    tile = base + bit;
-    is_full = (full >> bit) & 1u;
+    ballot.pop(base, tile, is_full);
     return true;
   }
 };

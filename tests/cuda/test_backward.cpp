@@ -23,6 +23,7 @@
 #include "flashref/flashref.hpp"
 #include "flashref/testdata/cases.hpp"
 #include "flashref/testdata/fixture.hpp"
+#include "kernel_names.hpp"
 
 using flashref::causal_mode;
 using flashref::input_dtype;
@@ -31,22 +32,9 @@ using flashref::problem_error;
 using flashref::test::catalogue_case;
 using flashref::test::problem_shape;
 namespace fc = flashref::cuda;
+using flashref::test::name_of;
 
 namespace {
-
-const char* name_of(fc::kernel_choice k) {
-  switch (k) {
-    case fc::kernel_choice::hopper:
-      return "hopper";
-    case fc::kernel_choice::tensor_core:
-      return "tensor_core";
-    case fc::kernel_choice::simt:
-      return "simt";
-    case fc::kernel_choice::automatic:
-      break;
-  }
-  return "automatic";
-}
 
 // The tensor-core backward takes D = Dv in {64, 128}.
 bool tensor_core_dims(const problem_shape& s) {
