@@ -1,5 +1,6 @@
-// The CUDA backend's host side: validation, the choice of kernel, device memory for the host
-// entry, and CUDA error reporting. Kernels live in the .cu files behind launch.hpp.
+// The CUDA forward's entries: the device entry and the host entry (validation, the choice of
+// kernel, uploads and error reporting shared with the backward live in host.hpp). Kernels live
+// in the .cu files behind launch.hpp.
 
 #include "flashref/cuda/attention.hpp"
 

@@ -136,9 +136,10 @@ class host_upload {
  public:
   // Uploads a packed tensor; returns its device copy in element type `as`.
   void* tensor(const std::vector<float>& packed, input_dtype as, cudaStream_t stream);
-  // Sets dp's mask fields (block mask with dense strides, kv_len) from p's.
+  // Sets dp's mask fields (block mask with dense strides, kv_len, causal, window, scale) from
+  // p's.
   void masks(const attention_problem& p, device_problem& dp);
-  // A zero-initialised-nothing allocation kept alive with the rest.
+  // An uninitialised device allocation, kept alive with the rest.
   void* alloc(std::size_t bytes);
 
  private:
