@@ -262,12 +262,14 @@ fc::device_tensor<4> blhd_tensor(void* data, input_dtype t, const std::array<std
 
 }  // namespace
 
-TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a workspace, a stream",
+TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, a workspace",
           "[cuda][backward][race]") {
   problem_shape s;
   s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 200, s.Lk = 333, s.D = s.Dv = GENERATE(64, 128);
   s.causal = causal_mode::bottom_right, s.use_kv_len = true;
-  CAPTURE(s.describe());
+  // The caller's workspace, or none: the entry then allocates it on the stream.
+  const bool caller_workspace = GENERATE(true, false);
+  CAPTURE(s.describe(), caller_workspace);
   problem_data d = flashref::test::build({"device entry", s, 72}, input_dtype::bfloat16);
   fc::attention(d.problem());  // O, LSE in float32 on the host
   flashref::test::add_upstream_gradient(d, 72);
@@ -306,8 +308,10 @@ TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a workspac
   dp.d_q = out(g.dq.shape);
   dp.d_k = out(g.dk.shape);
   dp.d_v = out(g.dv.shape);
-  dp.workspace_bytes = fc::backward_workspace_bytes(dp);
-  dp.workspace = mem.alloc(dp.workspace_bytes);
+  if (caller_workspace) {
+    dp.workspace_bytes = fc::backward_workspace_bytes(dp);
+    dp.workspace = mem.alloc(dp.workspace_bytes);
+  }
   REQUIRE(std::string(fc::backward_kernel_for(dp)) == "tensor_core");
   fc::attention_backward(dp, stream);
   cuda_check(cudaStreamSynchronize(stream));
