@@ -8,6 +8,12 @@ block mask flashref used (regenerated here with the same counter-based generator
 against flashref's hash). Prints TFLOP/s and the ratio of flashref's figure to each, and
 writes the records as JSON.
 
+Records of the backward (`bench-gpu --backward`: "pass": "backward") are matched
+by PyTorch's backward through autograd on the same kernels: the forward runs once outside the
+timing, then only `torch.autograd.grad(out, (q, k, v), dO, retain_graph=True)` is timed (SDPA
+flash, SDPA cuDNN, FlexAttention compiled with the same BlockMask). The FLOPs are flashref's
+record's (SPEC §9: 2.5 x the forward's).
+
 usage: bench_gpu_torch.py OURS.json OUT.json [--seconds S]
 """
 
@@ -112,7 +118,8 @@ def main():
     dtype_of = {"bfloat16": torch.bfloat16, "float16": torch.float16}
     records = []
     shapes = {}
-    print(f"{'mask':13s} {'L':>6s} {'D':>4s} {'vis':>6s} {'ours':>7s} {'flash':>7s} {'cudnn':>7s} "
+    measured = {}  # PyTorch's times per point and pass
+    print(f"{'mask':13s} {'pass':18s} {'L':>6s} {'D':>4s} {'vis':>6s} {'ours':>7s} {'flash':>7s} {'cudnn':>7s} "
           f"{'flex':>7s} {'/flash':>7s} {'/cudnn':>7s} {'/flex':>7s}   (TFLOP/s; ours/theirs)")
     for r in ours:
         B, H, L, D = r["B"], r["Hq"], r["Lq"], r["D"]
@@ -122,32 +129,49 @@ def main():
             g = torch.Generator(device="cuda").manual_seed(args.seed)
             mk = lambda: (torch.randint(-128, 128, (B, H, L, D), device="cuda", generator=g)
                           .to(torch.float32) * 2.0**-6).to(dtype_of[r["dtype"]])
-            shapes[key] = (mk(), mk(), mk())
-        q, k, v = shapes[key]
+            shapes[key] = (mk(), mk(), mk(), mk())
+        q, k, v, d_o = shapes[key]
         out = dict(r)
-        times = {}
+        backward = r.get("pass") == "backward"
+        point = (key, r["mask"], r.get("density"), r.get("block"), backward)
+        times = measured.setdefault(point, {})
         scale = 1.0 / math.sqrt(D)
-        if r["mask"] in ("dense", "causal"):
+
+        def timed(attn):
+            """The forward's time, or with a backward record the backward's alone."""
+            if not backward:
+                return time_fn(lambda: attn(q, k, v), args.seconds)
+            qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
+            o = attn(qg, kg, vg)
+            return time_fn(lambda: torch.autograd.grad(o, (qg, kg, vg), d_o, retain_graph=True),
+                           args.seconds)
+
+        if not times and r["mask"] in ("dense", "causal"):
             causal = r["mask"] == "causal"
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                 try:
                     with sdpa_kernel(backend):
-                        times[name] = time_fn(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale), args.seconds)
+                        times[name] = timed(lambda a, b, c: F.scaled_dot_product_attention(a, b, c, is_causal=causal, scale=scale))
                 except RuntimeError as e:  # backend unavailable for this shape
-                    out[name + "_error"] = str(e).splitlines()[0]
-        if r["mask"] == "causal":
-            bm = create_block_mask(causal_mod, None, None, L, L, device="cuda")
-        else:
-            if r["mask"] == "block_sparse":
-                mask = bench_block_mask(H, L, r["block"], r["density"], args.seed)
-                if str(fnv1a(mask)) != r["mask_hash"]:
-                    sys.exit(f"block mask mismatch at L={L} D={D} density={r['density']}: "
-                             f"hash {fnv1a(mask)} != flashref's {r['mask_hash']}")
+                    times[name + "_error"] = str(e).splitlines()[0]
+        for name in ("flash", "cudnn"):
+            if name + "_error" in times:
+                out[name + "_error"] = times[name + "_error"]
+        if "flex" not in times:
+            if r["mask"] == "causal":
+                bm = create_block_mask(causal_mod, None, None, L, L, device="cuda")
             else:
-                mask = np.ones((H, (L + 127) // 128, (L + 127) // 128), np.uint8)
-            bm = to_block_mask(mask, r["block"] if r["mask"] == "block_sparse" else 128, L)
-        times["flex"] = time_fn(lambda: flex(q, k, v, block_mask=bm, scale=scale), args.seconds)
-        line = f"{r['mask']:13s} {L:6d} {D:4d} {r['visible_fraction']:6.3f} {r['tflops']:7.1f}"
+                if r["mask"] == "block_sparse":
+                    mask = bench_block_mask(H, L, r["block"], r["density"], args.seed)
+                    if str(fnv1a(mask)) != r["mask_hash"]:
+                        sys.exit(f"block mask mismatch at L={L} D={D} density={r['density']}: "
+                                 f"hash {fnv1a(mask)} != flashref's {r['mask_hash']}")
+                else:
+                    mask = np.ones((H, (L + 127) // 128, (L + 127) // 128), np.uint8)
+                bm = to_block_mask(mask, r["block"] if r["mask"] == "block_sparse" else 128, L)
+            times["flex"] = timed(lambda a, b, c: flex(a, b, c, block_mask=bm, scale=scale))
+        pass_name = "backward" if backward else "forward"
+        line = f"{r['mask']:13s} {pass_name:18s} {L:6d} {D:4d} {r['visible_fraction']:6.3f} {r['tflops']:7.1f}"
         for name in ("flash", "cudnn", "flex"):
             t = times.get(name)
             out[name + "_median_s"] = t

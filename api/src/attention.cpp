@@ -10,6 +10,7 @@
 #endif
 #if defined(FLASHREF_HAVE_CUDA)
 #include "flashref/cuda/attention.hpp"
+#include "flashref/cuda/backward.hpp"
 #endif
 
 namespace flashref {
@@ -35,10 +36,6 @@ backend parse_backend(const std::string& s) {
   throw problem_error("backend: expected one of reference, cpu, cuda, automatic, got '" + s + "'");
 }
 
-namespace {
-const char* const kNoCudaBackward = "the CUDA backend has no backward pass yet";
-}  // namespace
-
 std::vector<backend_info> backends() {
   std::vector<backend_info> out;
   const std::vector<input_dtype> f32{input_dtype::float32};
@@ -54,11 +51,11 @@ std::vector<backend_info> backends() {
 #if defined(FLASHREF_HAVE_CUDA)
   std::string why;
   const bool dev = cuda::device_available(&why);
-  out.push_back({backend::cuda, true, dev, why, all, false, kNoCudaBackward});
+  out.push_back({backend::cuda, true, dev, why, all, true, ""});
 #else
   out.push_back({backend::cuda, false, false,
                  "the CUDA backend is not built into this library (FLASHREF_CUDA=OFF or no nvcc)",
-                 all, false, kNoCudaBackward});
+                 all, false, "the CUDA backend is not built into this library"});
 #endif
   return out;
 }
@@ -124,6 +121,11 @@ backend attention_backward(const attention_problem& p, const attention_gradients
 #if defined(FLASHREF_HAVE_CPU)
     case backend::cpu:
       cpu::attention_backward(p, g);
+      return use;
+#endif
+#if defined(FLASHREF_HAVE_CUDA)
+    case backend::cuda:
+      cuda::attention_backward(p, g);
       return use;
 #endif
     default:

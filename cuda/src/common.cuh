@@ -53,6 +53,30 @@ __device__ __forceinline__ void store_out(void* o, std::int64_t off, float x, el
   }
 }
 
+// 32 tiles classified at once, one per lane, for the walkers below: lane l classifies tile
+// base + l (tiles at or past `end` are empty) and two ballots give the non-empty and the full
+// ones; every lane of the warp gets the same answer.
+struct tile_ballot {
+  unsigned nonempty = 0;
+  unsigned full = 0;
+
+  template <class Classify>
+  __device__ void classify(std::int64_t base, std::int64_t end, const Classify& classify_tile) {
+    const std::int64_t t = base + (threadIdx.x & 31);
+    const tile_class c = t < end ? classify_tile(t) : tile_class::empty;
+    nonempty = __ballot_sync(kFullWarp, c != tile_class::empty);
+    full = __ballot_sync(kFullWarp, c == tile_class::full);
+  }
+
+  // The next non-empty tile of the ballot, in ascending order (nonempty must be non-zero).
+  __device__ void pop(std::int64_t base, std::int64_t& tile, bool& is_full) {
+    const int bit = __ffs(nonempty) - 1;
+    nonempty &= nonempty - 1;
+    tile = base + bit;
+    is_full = (full >> bit) & 1u;
+  }
+};
+
 // The key tiles [k0, k0 + kTileK) of query rows [q0, q1) that hold a visible key, in ascending
 // order, each with its class (full: no element mask needed). Every lane of every warp of the
 // block calls next() the same number of times and gets the same answer: lane l classifies tile
@@ -66,8 +90,7 @@ struct tile_walker {
   std::int64_t key_end;  // min(Lk, kv_len[b]): keys at or past it are never loaded
   std::int64_t tile_end;
   std::int64_t base;
-  unsigned nonempty = 0;
-  unsigned full = 0;
+  tile_ballot ballot;
 
   __device__ tile_walker(const mask_spec& m, std::int64_t b_, std::int64_t h_, std::int64_t q0_,
                          std::int64_t q1_)
@@ -82,33 +105,178 @@ struct tile_walker {
   }
 
   __device__ bool next(std::int64_t& tile, bool& is_full) {
-    while (nonempty == 0) {
+    while (ballot.nonempty == 0) {
       base += 32;
       if (base >= tile_end) return false;
-      const std::int64_t t = base + (threadIdx.x & 31);
-      tile_class c = tile_class::empty;
-      if (t < tile_end) {
+      ballot.classify(base, tile_end, [&](std::int64_t t) {
         const std::int64_t k0 = t * kTileK;
         const std::int64_t k1 = k0 + kTileK < mask.len_k ? k0 + kTileK : mask.len_k;
-        c = mask.classify(b, h, q0, q1, k0, k1);
+        const tile_class c = mask.classify(b, h, q0, q1, k0, k1);
         // A tile running past the last key has keys that do not exist: element-mask it.
-        if (c == tile_class::full && k0 + kTileK > mask.len_k) c = tile_class::partial;
-      }
-      nonempty = __ballot_sync(kFullWarp, c != tile_class::empty);
-      full = __ballot_sync(kFullWarp, c == tile_class::full);
+        return c == tile_class::full && k0 + kTileK > mask.len_k ? tile_class::partial : c;
+      });
     }
-    const int bit = __ffs(nonempty) - 1;
-    nonempty &= nonempty - 1;
-    tile = base + bit;
-    is_full = (full >> bit) & 1u;
+    ballot.pop(base, tile, is_full);
     return true;
   }
 };
+
+// The query tiles [q0, q0 + kTileQ) of query heads [h_begin, h_end) (one GQA group) that hold
+// a query seeing one of the keys [k0, k1), head by head, each head's tiles in ascending order:
+// tile_walker read column-wise, for the backward's dK, dV pass (FlexAttention's q_indices /
+// full_q_indices, built 32 tiles per ballot instead of stored). The rows that can see a key of
+// [k0, k1) form one interval (both ends of a row's key interval are non-decreasing in the row;
+// the same for every head), found by two binary searches; only its tiles are classified. A tile
+// running past the last query is partial: its missing rows must not enter a full tile's
+// unmasked arithmetic.
+template <int kTileQ>
+struct query_tile_walker {
+  const mask_spec& mask;
+  std::int64_t b, h, h_end, k0, k1;
+  std::int64_t tile_begin, tile_end;
+  std::int64_t base;
+  tile_ballot ballot;
+
+  __device__ query_tile_walker(const mask_spec& m, std::int64_t b_, std::int64_t h_begin,
+                               std::int64_t h_end_, std::int64_t k0_, std::int64_t k1_)
+      : mask(m), b(b_), h(h_begin), h_end(h_end_), k0(k0_), k1(k1_) {
+    // first: the first row whose interval ends past k0; last: the first row whose interval
+    // starts at or after k1. Rows [first, last) are the only ones that can see the tile.
+    std::int64_t lo = 0, hi = m.len_q;
+    while (lo < hi) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (m.row_range(b, mid).hi > k0) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    const std::int64_t first = lo;
+    hi = m.len_q;
+    while (lo < hi) {
+      const std::int64_t mid = lo + (hi - lo) / 2;
+      if (m.row_range(b, mid).lo >= k1) {
+        hi = mid;
+      } else {
+        lo = mid + 1;
+      }
+    }
+    const std::int64_t last = lo;
+    tile_begin = first / kTileQ;
+    // No rows, or no query heads (Hq = 0 leaves a key/value head without a group): no tiles.
+    tile_end = last > first && h < h_end ? (last + kTileQ - 1) / kTileQ : tile_begin;
+    base = tile_begin - 32;
+  }
+
+  __device__ bool next(std::int64_t& head, std::int64_t& tile, bool& is_full) {
+    while (ballot.nonempty == 0) {
+      base += 32;
+      if (base >= tile_end) {  // this head is done: the next one of the group
+        if (++h >= h_end) return false;
+        base = tile_begin - 32;
+        continue;
+      }
+      ballot.classify(base, tile_end, [&](std::int64_t t) {
+        const std::int64_t q0 = t * kTileQ;
+        const std::int64_t q1 = q0 + kTileQ < mask.len_q ? q0 + kTileQ : mask.len_q;
+        const tile_class c = mask.classify(b, h, q0, q1, k0, k1);
+        return c == tile_class::full && q0 + kTileQ > mask.len_q ? tile_class::partial : c;
+      });
+    }
+    head = h;
+    ballot.pop(base, tile, is_full);
+    return true;
+  }
+};
+
+// The address of element `off` of a tensor whose element type is known at run time.
+__host__ __device__ inline const void* element_at(const void* t, std::int64_t off, elem e) {
+  return static_cast<const char*>(t) + off * (e == elem::f32 ? 4 : 2);
+}
+
+// Reads one element of a tensor whose element type is known at run time.
+__device__ __forceinline__ float load_elem(const void* t, std::int64_t off, elem e) {
+  switch (e) {
+    case elem::bf16:
+      return __bfloat162float(static_cast<const __nv_bfloat16*>(t)[off]);
+    case elem::f16:
+      return __half2float(static_cast<const __half*>(t)[off]);
+    case elem::f32:
+      break;
+  }
+  return static_cast<const float*>(t)[off];
+}
+
+// Stores one element of a tensor whose element type is known at run time.
+__device__ __forceinline__ void store_elem(void* t, std::int64_t off, float x, elem e) {
+  switch (e) {
+    case elem::bf16:
+      static_cast<__nv_bfloat16*>(t)[off] = __float2bfloat16_rn(x);
+      return;
+    case elem::f16:
+      static_cast<__half*>(t)[off] = __float2half_rn(x);
+      return;
+    case elem::f32:
+      break;
+  }
+  static_cast<float*>(t)[off] = x;
+}
+
+// The element type of T.
+template <class T>
+__host__ __device__ constexpr elem elem_of() {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return elem::bf16;
+  if constexpr (std::is_same_v<T, __half>) return elem::f16;
+  return elem::f32;
+}
+
+// Rows [row0, row0 + rows) of a (rows, cols) strided tile of element type e into shared memory
+// as float; rows at or past row_end are zero-filled.
+template <int kThreads>
+__device__ void load_rows(float* s_dst, int pitch, const void* g_base, elem e,
+                          std::int64_t row_stride, std::int64_t col_stride, std::int64_t row0,
+                          int rows, std::int64_t cols, std::int64_t row_end) {
+  const std::int64_t n = rows * cols;
+  for (std::int64_t idx = threadIdx.x; idx < n; idx += kThreads) {
+    const std::int64_t r = idx / cols, c = idx % cols;
+    const bool valid = row0 + r < row_end;
+    s_dst[r * pitch + c] =
+        valid ? load_elem(g_base, (row0 + r) * row_stride + c * col_stride, e) : 0.f;
+  }
+}
 
 // Key visibility inside a partial tile; rows past the end of the problem see nothing.
 __device__ __forceinline__ bool key_visible(const mask_spec& m, std::int64_t b, std::int64_t h,
                                             std::int64_t i, std::int64_t j) {
   return i < m.len_q && j < m.len_k && m.visible(b, h, i, j);
+}
+
+// Visibility of keys j0 + 8 nb + c (nb < kBlocks, c < 2) to query row i, one bit each
+// (bit 2 nb + c): the keys one thread holds of a row in the m16n8 accumulator layout.
+template <int kBlocks>
+__device__ __forceinline__ std::uint32_t key_bits(const mask_spec& m, std::int64_t b,
+                                                  std::int64_t h, std::int64_t i, std::int64_t j0) {
+  std::uint32_t bits = 0;
+#pragma unroll 1
+  for (int n = 0; n < 2 * kBlocks; ++n) {
+    if (key_visible(m, b, h, i, j0 + (n / 2) * 8 + n % 2)) bits |= 1u << n;
+  }
+  return bits;
+}
+
+// Visibility of key j to query rows i0 + 8 nb + c (nb < kBlocks, c < 2), one bit each
+// (bit 2 nb + c): the rows one thread holds of a key in the transposed (key-major) m16n8
+// accumulator layout of the backward's dK, dV pass.
+template <int kBlocks>
+__device__ __forceinline__ std::uint32_t query_bits(const mask_spec& m, std::int64_t b,
+                                                    std::int64_t h, std::int64_t j,
+                                                    std::int64_t i0) {
+  std::uint32_t bits = 0;
+#pragma unroll 1
+  for (int n = 0; n < 2 * kBlocks; ++n) {
+    if (key_visible(m, b, h, i0 + (n / 2) * 8 + n % 2, j)) bits |= 1u << n;
+  }
+  return bits;
 }
 
 }  // namespace flashref::cuda::detail

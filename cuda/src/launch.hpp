@@ -42,4 +42,30 @@ cudaError_t launch_simt(const kernel_params& p, elem input, cudaStream_t stream)
 cudaError_t launch_convert(const float* src, void* dst, std::int64_t n, elem to,
                            cudaStream_t stream);
 
+// --- the backward pass (SPEC §9)
+
+// fwd carries q, k, v and the forward's o (element type fwd.out) and lse (read, never
+// written), the shapes, the scale and the mask; the rest are the backward's own tensors.
+struct backward_params {
+  kernel_params fwd;
+  const void* d_o;  // (B, Hq, Lq, Dv) upstream gradient, element type d_o_elem
+  elem d_o_elem;
+  void* dq;       // (B, Hq, Lq, D)  element type grad_out
+  void* dk;       // (B, Hk, Lk, D)
+  void* dv;       // (B, Hk, Lk, Dv)
+  elem grad_out;  // f32, or the input element type
+  std::int64_t d_o_stride[4], dq_stride[4], dk_stride[4], dv_stride[4];
+  float* delta;  // (B, Hq, Lq) contiguous workspace: Delta = rowsum(dO ∘ O)
+};
+
+// Delta = rowsum(dO ∘ O) into p.delta: every backward runs it first.
+cudaError_t launch_backward_delta(const backward_params& p, cudaStream_t stream);
+
+// The tensor-core backward (the same problems as launch_tensor_core, and dO in the input element
+// type with the same layout rule): dK, dV per key tile, then dQ by its own pass.
+cudaError_t launch_tensor_core_backward(const backward_params& p, elem input, cudaStream_t stream);
+
+// The float32 SIMT backward: any strides, head dims up to kSimtMaxHeadDim, any dtypes.
+cudaError_t launch_simt_backward(const backward_params& p, elem input, cudaStream_t stream);
+
 }  // namespace flashref::cuda::detail

@@ -35,20 +35,6 @@ std::size_t simt_smem_bytes(std::int64_t d, std::int64_t dv) {
                                      kTileQ * (kTileK + 1));
 }
 
-// Rows [row0, row0 + rows) of a (rows, cols) strided tile into shared memory as float; rows at
-// or past row_end are zero-filled.
-template <class T>
-__device__ void load_rows(float* s_dst, int pitch, const T* g_base, std::int64_t row_stride,
-                          std::int64_t col_stride, std::int64_t row0, int rows, std::int64_t cols,
-                          std::int64_t row_end) {
-  const std::int64_t n = rows * cols;
-  for (std::int64_t idx = threadIdx.x; idx < n; idx += kThreads) {
-    const std::int64_t r = idx / cols, c = idx % cols;
-    const bool valid = row0 + r < row_end;
-    s_dst[r * pitch + c] = valid ? to_float(g_base[(row0 + r) * row_stride + c * col_stride]) : 0.f;
-  }
-}
-
 template <class T>
 __global__ void __launch_bounds__(kThreads) simt_kernel(const kernel_params p) {
   extern __shared__ float s_mem[];
@@ -81,12 +67,15 @@ __global__ void __launch_bounds__(kThreads) simt_kernel(const kernel_params p) {
   while (walker.next(tile, tile_full)) {
     __syncthreads();  // the previous tile's sK, sV, sP are no longer read
     if (!loaded_q) {
-      load_rows(sQ, lay.d_pitch, gQ, p.q_stride[2], p.q_stride[3], q0, kTileQ, D, p.len_q);
+      load_rows<kThreads>(sQ, lay.d_pitch, gQ, elem_of<T>(), p.q_stride[2], p.q_stride[3], q0,
+                          kTileQ, D, p.len_q);
       loaded_q = true;
     }
     const std::int64_t k0 = tile * kTileK;
-    load_rows(sK, lay.d_pitch, gK, p.k_stride[2], p.k_stride[3], k0, kTileK, D, walker.key_end);
-    load_rows(sV, lay.dv_pitch, gV, p.v_stride[2], p.v_stride[3], k0, kTileK, Dv, walker.key_end);
+    load_rows<kThreads>(sK, lay.d_pitch, gK, elem_of<T>(), p.k_stride[2], p.k_stride[3], k0, kTileK,
+                        D, walker.key_end);
+    load_rows<kThreads>(sV, lay.dv_pitch, gV, elem_of<T>(), p.v_stride[2], p.v_stride[3], k0,
+                        kTileK, Dv, walker.key_end);
     __syncthreads();
 
     // Scores of keys g + 8u; masked keys at -inf.

@@ -24,6 +24,7 @@
 #include "flashref/testdata/cases.hpp"
 #include "flashref/testdata/fixture.hpp"
 #include "flashref/testdata/random.hpp"
+#include "kernel_names.hpp"
 
 using flashref::causal_mode;
 using flashref::input_dtype;
@@ -32,6 +33,7 @@ using flashref::test::catalogue_case;
 using flashref::test::check_against_naive;
 using flashref::test::problem_shape;
 namespace fc = flashref::cuda;
+using flashref::test::name_of;
 
 namespace {
 
@@ -64,20 +66,6 @@ std::vector<fc::kernel_choice> half_kernels() {
   std::vector<fc::kernel_choice> k{fc::kernel_choice::tensor_core};
   if (hopper_device()) k.push_back(fc::kernel_choice::hopper);
   return k;
-}
-
-const char* name_of(fc::kernel_choice k) {
-  switch (k) {
-    case fc::kernel_choice::hopper:
-      return "hopper";
-    case fc::kernel_choice::tensor_core:
-      return "tensor_core";
-    case fc::kernel_choice::simt:
-      return "simt";
-    case fc::kernel_choice::automatic:
-      break;
-  }
-  return "automatic";
 }
 
 // The host entry on one kernel (automatic: float32 the SIMT kernel; bfloat16 / float16 the

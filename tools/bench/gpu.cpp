@@ -11,6 +11,7 @@
 
 #include "../commands.hpp"
 #include "flashref/cuda/attention.hpp"
+#include "flashref/cuda/backward.hpp"
 #include "flashref/testdata/random.hpp"
 #include "grid.hpp"
 #include "record.hpp"
@@ -24,6 +25,7 @@ struct gpu_bench_options {
   std::string dtype = "bfloat16";
   double seconds_per_point = 0.25;  // timed repetitions per point fill about this long
   std::uint64_t seed = 2024;
+  bool backward = false;  // also time the backward at every point
 };
 
 void check(cudaError_t e, const char* what) {
@@ -59,6 +61,16 @@ bool half_not_finite(std::uint16_t bits, input_dtype t) {
   return t == input_dtype::bfloat16 ? (bits & 0x7f80u) == 0x7f80u : (bits & 0x7c00u) == 0x7c00u;
 }
 
+void print_row(std::FILE* table, const bench_record& r, const char* pass) {
+  if (table == nullptr) return;
+  const bench_point& pt = r.point;
+  std::fprintf(table, "%-13s %-18s %6lld %4lld %4lld %4lld %8.3f %10.4f %9.1f %8.3f %5lld\n",
+               pt.mask.c_str(), pass, (long long)pt.Lq, (long long)pt.D, (long long)pt.B,
+               (long long)pt.Hq, r.visible_fraction, r.median_s * 1e3, r.gflops * 1e-3, r.vs_dense,
+               (long long)r.nan_rows);
+  std::fflush(table);
+}
+
 std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* table) {
   std::string why;
   if (!cuda::device_available(&why))
@@ -75,25 +87,28 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
   std::vector<std::uint16_t> host(n);
   device_ptr q = device_alloc(n * 2), k = device_alloc(n * 2), v = device_alloc(n * 2);
   device_ptr o = device_alloc(n * 2);
-  for (int t = 0; t < 3; ++t) {  // random values k * 2^-6, |k| < 128: never all zero
+  // The backward's upstream gradient and gradients (allocated with --backward only).
+  device_ptr d_o, d_q, d_k, d_v;
+  if (opt.backward) {
+    d_o = device_alloc(n * 2), d_q = device_alloc(n * 2), d_k = device_alloc(n * 2);
+    d_v = device_alloc(n * 2);
+  }
+  for (int t = 0; t < (opt.backward ? 4 : 3); ++t) {  // values k * 2^-6, |k| < 128: never all 0
     const testdata::counter_rng rng(opt.seed, std::uint64_t(10 + t));
     for (std::size_t i = 0; i < n; ++i) {
       const auto kq = std::int64_t(rng.bits(i) >> 56) - 128;  // [-128, 127]
       host[i] = half_bits(float(kq) * 0x1p-6f, dt);
     }
-    check(cudaMemcpy(t == 0   ? q.get()
-                     : t == 1 ? k.get()
-                              : v.get(),
-                     host.data(), n * 2, cudaMemcpyHostToDevice),
-          "cudaMemcpy");
+    void* const dst[] = {q.get(), k.get(), v.get(), d_o.get()};
+    check(cudaMemcpy(dst[t], host.data(), n * 2, cudaMemcpyHostToDevice), "cudaMemcpy");
   }
   cudaEvent_t start = nullptr, stop = nullptr;
   check(cudaEventCreate(&start), "cudaEventCreate");
   check(cudaEventCreate(&stop), "cudaEventCreate");
 
   if (table != nullptr) {
-    std::fprintf(table, "%-13s %6s %4s %4s %4s %8s %10s %9s %8s %5s\n", "mask", "L", "D", "B", "Hq",
-                 "density", "time_ms", "TFLOP/s", "vs_dense", "NaN");
+    std::fprintf(table, "%-13s %-18s %6s %4s %4s %4s %8s %10s %9s %8s %5s\n", "mask", "pass", "L",
+                 "D", "B", "Hq", "density", "time_ms", "TFLOP/s", "vs_dense", "NaN");
   }
   std::vector<bench_record> results;
   // B · Hq · L = tokens · model / D rows: the LSE buffer of the largest count serves all.
@@ -103,12 +118,16 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
   device_ptr lse = device_alloc(std::size_t(grid.tokens * grid.model / min_d) * sizeof(float));
   std::vector<float> lse_host;
   double dense_time = 0;
+  double dense_bwd_time = 0;
   std::pair<std::int64_t, std::int64_t> shape_now{-1, -1};  // (D, L) of dense_time
   for (const bench_point& pt : grid.points(opt.dtype)) {
     const std::int64_t B = pt.B, Hq = pt.Hq, L = pt.Lq, D = pt.D;
     const std::size_t rows = std::size_t(B * Hq * L);
     lse_host.resize(rows);
-    if (shape_now != std::pair{D, L}) shape_now = {D, L}, dense_time = 0;
+    if (shape_now != std::pair{D, L}) {
+      shape_now = {D, L};
+      dense_time = dense_bwd_time = 0;
+    }
     bench_record r;
     r.point = pt;
     r.backend = "cuda";
@@ -155,24 +174,29 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
     r.visible_fraction = fraction;
     r.kernel = cuda::kernel_for(dp);
 
-    auto run_once = [&]() {
-      check(cudaEventRecord(start, nullptr), "cudaEventRecord");
-      cuda::attention(dp, nullptr);
-      check(cudaEventRecord(stop, nullptr), "cudaEventRecord");
-      check(cudaEventSynchronize(stop), "attention kernel");
-      float ms = 0;
-      check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-      return double(ms) * 1e-3;
+    // The median of event-timed runs of `launch` (two warm-up runs set the repetitions).
+    int reps = 0;
+    const auto median_time = [&](const auto& launch) {
+      const auto run_once = [&]() {
+        check(cudaEventRecord(start, nullptr), "cudaEventRecord");
+        launch();
+        check(cudaEventRecord(stop, nullptr), "cudaEventRecord");
+        check(cudaEventSynchronize(stop), "attention kernel");
+        float ms = 0;
+        check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+        return double(ms) * 1e-3;
+      };
+      double first = run_once();
+      first = std::min(first, run_once());
+      reps = int(std::clamp(opt.seconds_per_point / std::max(first, 1e-7), 5.0, 200.0));
+      std::vector<double> times;
+      for (int i = 0; i < reps; ++i)
+        times.push_back(run_once());
+      std::nth_element(times.begin(), times.begin() + reps / 2, times.end());
+      return times[std::size_t(reps / 2)];
     };
     check(cudaMemset(o.get(), 0xff, n * 2), "cudaMemset");  // NaN: unwritten rows show
-    double first = run_once();
-    first = std::min(first, run_once());
-    const int reps = int(std::clamp(opt.seconds_per_point / std::max(first, 1e-7), 5.0, 200.0));
-    std::vector<double> times;
-    for (int i = 0; i < reps; ++i)
-      times.push_back(run_once());
-    std::nth_element(times.begin(), times.begin() + reps / 2, times.end());
-    r.median_s = times[std::size_t(reps / 2)];
+    r.median_s = median_time([&] { cuda::attention(dp, nullptr); });
     r.flops = 4.0 * double(B) * double(Hq) * double(L) * double(L) * double(D) * fraction;
     r.gflops = r.flops / r.median_s * 1e-9;
     if (pt.mask == "dense") dense_time = r.median_s;
@@ -198,14 +222,51 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
     std::ostringstream note;
     note << "reps=" << reps << " kernel=" << r.kernel;
     r.note = note.str();
-    if (table != nullptr) {
-      std::fprintf(table, "%-13s %6lld %4lld %4lld %4lld %8.3f %10.4f %9.1f %8.3f %5lld\n",
-                   pt.mask.c_str(), (long long)L, (long long)D, (long long)B, (long long)Hq,
-                   fraction, r.median_s * 1e3, r.gflops * 1e-3,
-                   dense_time > 0 ? r.median_s / dense_time : 0.0, (long long)r.nan_rows);
-      std::fflush(table);
+    print_row(table, r, "forward");
+    results.push_back(r);
+    if (opt.backward) {
+      // The backward from the forward just run (its O and LSE). SPEC §9 counts 2.5 x the
+      // forward's FLOPs.
+      cuda::device_backward_problem bp;
+      bp.forward = dp;
+      bp.d_o = {d_o.get(), dt, shape, stride};
+      bp.d_q = {d_q.get(), dt, shape, stride};
+      bp.d_k = {d_k.get(), dt, shape, stride};
+      bp.d_v = {d_v.get(), dt, shape, stride};
+      bp.workspace_bytes = cuda::backward_workspace_bytes(bp);
+      device_ptr workspace = device_alloc(bp.workspace_bytes);
+      bp.workspace = workspace.get();
+      bench_record w = r;
+      w.pass = "backward";
+      w.kernel = cuda::backward_kernel_for(bp);
+      for (void* g : {d_q.get(), d_k.get(), d_v.get()})
+        check(cudaMemset(g, 0xff, n * 2), "cudaMemset");  // NaN: unwritten elements show
+      w.median_s = median_time([&] { cuda::attention_backward(bp, nullptr); });
+      w.flops = 2.5 * r.flops;
+      w.gflops = w.flops / w.median_s * 1e-9;
+      if (pt.mask == "dense") dense_bwd_time = w.median_s;
+      w.vs_dense = pt.mask != "dense" && dense_bwd_time > 0 ? w.median_s / dense_bwd_time : 0;
+      // No NaN in any gradient; the dQ rows of empty rows exactly 0.
+      w.nan_rows = w.empty_rows_bad = 0;
+      std::vector<std::uint16_t> g_host(n);
+      for (void* g : {d_q.get(), d_k.get(), d_v.get()}) {
+        check(cudaMemcpy(g_host.data(), g, n * 2, cudaMemcpyDeviceToHost), "cudaMemcpy");
+        for (std::size_t row = 0; row < rows; ++row) {
+          bool bad_row = false, nonzero = false;
+          for (std::int64_t d = 0; d < D; ++d) {
+            const std::uint16_t bits = g_host[row * std::size_t(D) + std::size_t(d)];
+            bad_row = bad_row || half_not_finite(bits, dt);
+            nonzero = nonzero || (bits & 0x7fffu) != 0;
+          }
+          w.nan_rows += bad_row ? 1 : 0;
+          const bool empty = lse_host[row] == -INFINITY;
+          w.empty_rows_bad += (g == d_q.get() && empty && nonzero) ? 1 : 0;
+        }
+      }
+      w.note = "reps=" + std::to_string(reps) + " kernel=" + w.kernel;
+      print_row(table, w, "backward");
+      results.push_back(std::move(w));
     }
-    results.push_back(std::move(r));
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
@@ -230,6 +291,8 @@ void add_bench_gpu(CLI::App& app, exit_slot status) {
   cmd->add_option("--seconds", opt->seconds_per_point, "timed seconds per grid point");
   cmd->add_option("--seed", opt->seed, "seed of the inputs and block masks");
   cmd->add_option("--json", *json, "write the records as JSON to this file");
+  cmd->add_flag("--backward", opt->backward,
+                "also time the backward at every point (SPEC §9: 2.5 x the forward's FLOPs)");
   cmd->callback([opt, json, status]() {
     check_output_path(*json);
     const std::vector<bench_record> results = run_grid(*opt, stdout);
@@ -238,7 +301,8 @@ void add_bench_gpu(CLI::App& app, exit_slot status) {
       ok = ok && r.nan_rows == 0 && r.empty_rows_bad == 0;
     if (!json->empty()) write_records(*json, results);
     if (!ok)
-      std::fprintf(stderr, "flashref bench-gpu: NaN or a non-zero empty row in the output\n");
+      std::fprintf(stderr,
+                   "flashref bench-gpu: NaN or a non-zero empty row in the output or gradients\n");
     *status = ok ? 0 : 1;
   });
 }

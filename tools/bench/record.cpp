@@ -34,6 +34,7 @@ nlohmann::json to_json(const bench_record& r) {
   if (r.nan_rows >= 0) j["nan_count"] = r.nan_rows;
   if (r.empty_rows >= 0) j["empty_rows"] = r.empty_rows;
   if (r.empty_rows_bad >= 0) j["empty_rows_bad"] = r.empty_rows_bad;
+  if (!r.pass.empty()) j["pass"] = r.pass;
   if (!r.note.empty()) j["note"] = r.note;
   return j;
 }

@@ -34,7 +34,9 @@ struct bench_record {
   std::uint64_t mask_hash = 0;       // of the block-sparse mask (block_sparse_mask)
   std::int64_t nan_rows = -1;        // rows holding NaN or +inf (-1: not checked)
   std::int64_t empty_rows = -1;      // rows with LSE = -inf
-  std::int64_t empty_rows_bad = -1;  // empty rows whose O is not exactly 0
+  std::int64_t empty_rows_bad = -1;  // empty rows whose O (dQ for a backward) is not exactly 0
+  // "backward" for a backward's record (SPEC §9: 2.5 x the forward's FLOPs); empty for a forward.
+  std::string pass;
 };
 
 nlohmann::json to_json(const bench_record& r);

@@ -1,0 +1,230 @@
+// The CUDA backward's host side: validation, the choice of kernel, the workspace, and the host
+// entry's device copies. Kernels live in simt_backward.cu and tensor_core_backward.cu.
+
+#include "flashref/cuda/backward.hpp"
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "host.hpp"
+#include "launch.hpp"
+
+namespace flashref::cuda {
+
+using namespace host;
+
+namespace {
+
+// The workspace (Delta) in whole 256-byte pieces.
+constexpr std::size_t kWorkspaceAlign = 256;
+
+std::size_t round_up(std::size_t bytes) {
+  return (bytes + kWorkspaceAlign - 1) / kWorkspaceAlign * kWorkspaceAlign;
+}
+
+// The backward's tensors as the reference's type, for validate_backward's shape rules.
+attention_gradients gradient_shapes(const device_backward_problem& p) {
+  attention_gradients g;
+  g.d_o = shape_only<const float>(p.d_o);
+  g.dq = shape_only<float>(p.d_q);
+  g.dk = shape_only<float>(p.d_k);
+  g.dv = shape_only<float>(p.d_v);
+  return g;
+}
+
+// d_o float32 or q's dtype; d_q, d_k, d_v one dtype, float32 or q's.
+void check_gradient_dtypes(const device_backward_problem& p) {
+  const input_dtype in = p.forward.q.dtype;
+  if (p.d_o.dtype != input_dtype::float32 && p.d_o.dtype != in) {
+    throw problem_error(std::string("d_o: expected dtype float32 or the input dtype ") +
+                        to_string(in) + ", got " + to_string(p.d_o.dtype));
+  }
+  if (p.d_q.dtype != input_dtype::float32 && p.d_q.dtype != in) {
+    throw problem_error(std::string("d_q: expected dtype float32 or the input dtype ") +
+                        to_string(in) + ", got " + to_string(p.d_q.dtype));
+  }
+  for (const auto& [name, t] : {std::pair{"d_k", &p.d_k}, std::pair{"d_v", &p.d_v}}) {
+    if (t->dtype != p.d_q.dtype) {
+      throw problem_error(std::string(name) + ": expected dtype " + to_string(p.d_q.dtype) +
+                          " (d_q's), got " + to_string(t->dtype));
+    }
+  }
+}
+
+bool tensor_core_backward_applies(const device_backward_problem& p) {
+  return tensor_core_applies(p.forward) && p.d_o.dtype == p.forward.q.dtype &&
+         tensor_core_layout(p.d_o);
+}
+
+// The dispatch table of backward.hpp: a forced kernel that cannot take the problem throws.
+kernel_kind choose_backward(const device_backward_problem& p) {
+  const bool tc = tensor_core_backward_applies(p);
+  switch (p.forward.kernel) {
+    case kernel_choice::automatic:
+      return tc ? kernel_kind::tensor_core : kernel_kind::simt;
+    case kernel_choice::hopper:
+      throw problem_error(
+          "kernel: expected automatic, tensor_core or simt for the backward (there is no hopper "
+          "backward), got hopper");
+    case kernel_choice::tensor_core:
+      if (!tc) {
+        throw problem_error(
+            "kernel: expected a problem the tensor_core backward takes (bf16 or fp16, D = Dv in "
+            "{64, 128}, 16-byte rows, d_o in the input dtype), got another");
+      }
+      return kernel_kind::tensor_core;
+    case kernel_choice::simt:
+      break;
+  }
+  return kernel_kind::simt;
+}
+
+// Validates p; returns the kernel that runs it.
+kernel_kind validate_device_backward(const device_backward_problem& p) {
+  check_dtypes(p.forward);
+  check_gradient_dtypes(p);
+  validate_backward(shapes_of(p.forward), gradient_shapes(p));
+  const kernel_kind kernel = choose_backward(p);
+  check_device_limits(p.forward, kernel);
+  return kernel;
+}
+
+std::size_t workspace_bytes(const device_backward_problem& p) {
+  const std::size_t rows =
+      std::size_t(p.forward.q.shape[0] * p.forward.q.shape[1] * p.forward.q.shape[2]);
+  return round_up(rows * sizeof(float)) + kWorkspaceAlign;  // never empty
+}
+
+// Enqueues a validated backward; `mask` carries the problem's mask (kv_len from p.forward).
+void enqueue_backward(const device_backward_problem& p, kernel_kind kernel, const mask_spec& mask,
+                      double softmax_scale, cudaStream_t stream) {
+  detail::backward_params bp{};
+  bp.fwd = kernel_params_of(p.forward, mask, softmax_scale);
+  bp.d_o = p.d_o.data;
+  bp.d_o_elem = to_elem(p.d_o.dtype);
+  bp.dq = p.d_q.data;
+  bp.dk = p.d_k.data;
+  bp.dv = p.d_v.data;
+  bp.grad_out = to_elem(p.d_q.dtype);
+  copy_array(bp.d_o_stride, p.d_o.stride);
+  copy_array(bp.dq_stride, p.d_q.stride);
+  copy_array(bp.dk_stride, p.d_k.stride);
+  copy_array(bp.dv_stride, p.d_v.stride);
+
+  const std::size_t need = workspace_bytes(p);
+  void* ws = p.workspace;
+  if (ws == nullptr) {
+    check(cudaMallocAsync(&ws, need, stream), "cudaMallocAsync (backward workspace)");
+  } else if (p.workspace_bytes < need) {
+    throw problem_error("workspace_bytes: expected at least " + std::to_string(need) + ", got " +
+                        std::to_string(p.workspace_bytes));
+  }
+  bp.delta = static_cast<float*>(ws);
+  const input_dtype in = p.forward.q.dtype;
+  cudaError_t e = detail::launch_backward_delta(bp, stream);
+  if (e == cudaSuccess) {
+    e = kernel == kernel_kind::tensor_core
+            ? detail::launch_tensor_core_backward(bp, to_elem(in), stream)
+            : detail::launch_simt_backward(bp, to_elem(in), stream);
+  }
+  if (p.workspace == nullptr) {
+    const cudaError_t freed = cudaFreeAsync(ws, stream);
+    if (e == cudaSuccess) e = freed;
+  }
+  check(e, kernel == kernel_kind::tensor_core ? "tensor-core backward launch"
+                                              : "SIMT backward launch");
+}
+
+}  // namespace
+
+std::size_t backward_workspace_bytes(const device_backward_problem& p) {
+  validate_device_backward(p);
+  return workspace_bytes(p);
+}
+
+const char* backward_kernel_for(const device_backward_problem& p) {
+  return name_of(validate_device_backward(p));
+}
+
+void attention_backward(const device_backward_problem& p, cudaStream_t stream) {
+  const kernel_kind kernel = validate_device_backward(p);
+  const attention_problem shapes = shapes_of(p.forward);
+  enqueue_backward(p, kernel, make_mask_spec(shapes), shapes.softmax_scale(), stream);
+}
+
+void attention_backward(const attention_problem& p, const attention_gradients& g,
+                        kernel_choice kernel) {
+  validate_backward(p, g);
+  if (kernel == kernel_choice::hopper) {
+    device_backward_problem probe;
+    probe.forward.kernel = kernel;
+    choose_backward(probe);  // throws: there is no Hopper backward
+  }
+  const std::int64_t B = p.batch(), Hq = p.heads_q(), Hk = p.heads_k();
+  const std::int64_t Lq = p.len_q(), Lk = p.len_k(), D = p.head_dim(), Dv = p.head_dim_v();
+
+  // Each input is read once, into a contiguous copy that also tells whether it is finite: a
+  // NaN or inf in q, k, v or dO would reach masked pairs through the tensor-core products.
+  bool q_finite = true, k_finite = true, v_finite = true, d_o_finite = true;
+  const std::vector<float> q = pack(p.q, &q_finite), k = pack(p.k, &k_finite),
+                           v = pack(p.v, &v_finite), d_o = pack(g.d_o, &d_o_finite);
+  const std::vector<float> o = pack(strided<const float, 4>{p.o.data, p.o.shape, p.o.stride});
+  const std::vector<float> lse =
+      pack(strided<const float, 3>{p.lse.data, p.lse.shape, p.lse.stride});
+
+  device_backward_problem dp;
+  const auto packed = [](const std::array<std::int64_t, 4>& shape, input_dtype t) {
+    return device_tensor<4>{nullptr, t, shape, dense_strides<4>(shape)};
+  };
+  const auto describe_inputs = [&](input_dtype t) {
+    dp.forward.q = packed(p.q.shape, t);
+    dp.forward.k = packed(p.k.shape, t);
+    dp.forward.v = packed(p.v.shape, t);
+    dp.d_o = packed(g.d_o.shape, t);
+  };
+  describe_inputs(p.dtype);
+  const host_choice hc = host_input(p.dtype, kernel, tensor_core_backward_applies(dp),
+                                    q_finite && k_finite && v_finite && d_o_finite);
+  describe_inputs(hc.input);
+  dp.forward.kernel = hc.kernel;
+  const kernel_kind chosen = choose_backward(dp);
+  check_device_limits(dp.forward, chosen);
+
+  cudaStream_t stream = nullptr;
+  host_upload up;
+  dp.forward.q.data = up.tensor(q, hc.input, stream);
+  dp.forward.k.data = up.tensor(k, hc.input, stream);
+  dp.forward.v.data = up.tensor(v, hc.input, stream);
+  dp.d_o.data = up.tensor(d_o, hc.input, stream);  // rounded to bf16 / fp16 for tensor cores
+  dp.forward.o = packed(p.o.shape, input_dtype::float32);
+  dp.forward.o.data = up.tensor(o, input_dtype::float32, stream);
+  const std::array<std::int64_t, 3> lse_shape{B, Hq, Lq};
+  dp.forward.lse = {up.tensor(lse, input_dtype::float32, stream), input_dtype::float32, lse_shape,
+                    dense_strides<3>(lse_shape)};
+  up.masks(p, dp.forward);
+  const std::array<std::int64_t, 4> dq_shape{B, Hq, Lq, D}, dk_shape{B, Hk, Lk, D},
+      dv_shape{B, Hk, Lk, Dv};
+  dp.d_q = packed(dq_shape, input_dtype::float32);
+  dp.d_k = packed(dk_shape, input_dtype::float32);
+  dp.d_v = packed(dv_shape, input_dtype::float32);
+  dp.d_q.data = up.alloc(std::size_t(B * Hq * Lq * D) * sizeof(float));
+  dp.d_k.data = up.alloc(std::size_t(B * Hk * Lk * D) * sizeof(float));
+  dp.d_v.data = up.alloc(std::size_t(B * Hk * Lk * Dv) * sizeof(float));
+  dp.workspace_bytes = workspace_bytes(dp);
+  dp.workspace = up.alloc(dp.workspace_bytes);
+
+  // The mask as the kernels see it: the block mask's device copy (dense strides), kv_len in
+  // device memory (set from dp.forward).
+  attention_problem on_device = p;
+  on_device.block_mask = dp.forward.block_mask;
+  enqueue_backward(dp, chosen, make_mask_spec(on_device), p.softmax_scale(), stream);
+  check(cudaStreamSynchronize(stream), "backward kernels");
+  download(dp.d_q.data, g.dq);
+  download(dp.d_k.data, g.dk);
+  download(dp.d_v.data, g.dv);
+}
+
+}  // namespace flashref::cuda

@@ -1,0 +1,313 @@
+// The backward pass (SPEC §9) outside the tensor cores: the Delta pre-pass every backward runs
+// first, and the float32 SIMT backward (any strides, head dims up to kSimtMaxHeadDim, any element
+// types).
+//
+// The SIMT backward is two kernels, each owning what it writes, so that no sum depends on the
+// order in which blocks run (bitwise deterministic):
+//  - dK, dV: one block per 32 keys of one key/value head; it walks the query heads of the
+//    group and, for each, only the query tiles that see its keys (query_tile_walker), in order;
+//  - dQ: one block per 32 query rows; it walks the key tiles the rows see (tile_walker).
+// 8 threads share a key (resp. a row) as in the forward SIMT kernel. A masked pair is skipped,
+// never multiplied by 0: a NaN of a masked key or row reaches nothing (SPEC §2).
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "launch.hpp"
+
+namespace flashref::cuda::detail {
+namespace {
+
+constexpr int kTile = 32;  // keys per dK/dV block, rows per dQ block, and the tile walked
+constexpr int kThreads = 256;
+constexpr int kLanes = kThreads / kTile;                 // 8 threads per key (row)
+constexpr int kPerLane = kTile / kLanes;                 // 4 rows (keys) each
+constexpr int kMaxCols = int(kSimtMaxHeadDim) / kLanes;  // 32 output columns each
+constexpr int kRowsPerDeltaBlock = 8;                    // one warp per row
+
+// Dot product of two shared-memory rows.
+__device__ __forceinline__ float dot_rows(const float* a, const float* b, std::int64_t n) {
+  float s = 0.f;
+  for (std::int64_t d = 0; d < n; ++d)
+    s = fmaf(a[d], b[d], s);
+  return s;
+}
+
+// OR of one 8-thread group's words: the visibility of the 32 pairs the group computed.
+__device__ __forceinline__ std::uint32_t group_or(std::uint32_t bits) {
+  for (int off = 1; off < kLanes; off *= 2)
+    bits |= __shfl_xor_sync(kFullWarp, bits, off);
+  return bits;
+}
+
+// Delta_i = Σ_d dO_id O_id, one warp per row, summed in a fixed order.
+__global__ void delta_kernel(const backward_params bp) {
+  const kernel_params& p = bp.fwd;
+  const std::int64_t row = std::int64_t(blockIdx.x) * kRowsPerDeltaBlock + threadIdx.x / 32;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  if (row >= p.batch * p.heads_q * p.len_q) return;
+  const std::int64_t i = row % p.len_q, h = row / p.len_q % p.heads_q,
+                     b = row / (p.len_q * p.heads_q);
+  const std::int64_t o_row = b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
+  const std::int64_t d_o_row = b * bp.d_o_stride[0] + h * bp.d_o_stride[1] + i * bp.d_o_stride[2];
+  float s = 0.f;
+  for (std::int64_t d = lane; d < p.head_dim_v; d += 32) {
+    s = fmaf(load_elem(bp.d_o, d_o_row + d * bp.d_o_stride[3], bp.d_o_elem),
+             load_elem(p.o, o_row + d * p.o_stride[3], p.out), s);
+  }
+  for (int off = 16; off > 0; off /= 2)
+    s += __shfl_xor_sync(kFullWarp, s, off);
+  if (lane == 0) bp.delta[row] = s;
+}
+
+struct simt_bwd_smem {
+  int d_pitch, dv_pitch;  // row pitches in floats, padded by one against bank conflicts
+  __host__ __device__ simt_bwd_smem(std::int64_t d, std::int64_t dv)
+      : d_pitch(int(d) + 1), dv_pitch(int(dv) + 1) {}
+  // Four tiles of kTile rows (two of D, two of Dv columns), two (kTile, kTile + 1) tiles of
+  // P and dS, and LSE, Delta.
+  __host__ __device__ std::size_t bytes() const {
+    return sizeof(float) * std::size_t(2 * kTile * d_pitch + 2 * kTile * dv_pitch +
+                                       2 * kTile * (kTile + 1) + 2 * kTile);
+  }
+};
+
+// dK_j = scale Σ_h Σ_i dS_ij Q_i and dV_j = Σ_h Σ_i P_ij dO_i for 32 keys j of one key/value
+// head: thread (r, g) owns key k0 + r, computes the pairs with rows g + 8u of each query tile,
+// and accumulates columns g + 8c.
+template <class T>
+__global__ void __launch_bounds__(kThreads) simt_dkdv_kernel(const backward_params bp) {
+  const kernel_params& p = bp.fwd;
+  extern __shared__ float s_mem[];
+  const simt_bwd_smem lay(p.head_dim, p.head_dim_v);
+  float* sK = s_mem;                        // (kTile, D)   keys of this block
+  float* sV = sK + kTile * lay.d_pitch;     // (kTile, Dv)
+  float* sQ = sV + kTile * lay.dv_pitch;    // (kTile, D)   one query tile
+  float* sdO = sQ + kTile * lay.d_pitch;    // (kTile, Dv)
+  float* sP = sdO + kTile * lay.dv_pitch;   // (kTile keys, kTile rows)
+  float* sdS = sP + kTile * (kTile + 1);    // (kTile keys, kTile rows)
+  float* sLSE = sdS + kTile * (kTile + 1);  // (kTile)
+  float* sDelta = sLSE + kTile;             // (kTile)
+
+  const int r = static_cast<int>(threadIdx.x) / kLanes;
+  const int g = static_cast<int>(threadIdx.x) % kLanes;
+  const std::int64_t k0 = std::int64_t(blockIdx.x) * kTile;
+  const std::int64_t hk = blockIdx.y, b = blockIdx.z;
+  const std::int64_t k1 = k0 + kTile < p.len_k ? k0 + kTile : p.len_k;
+  const std::int64_t j = k0 + r;
+  const std::int64_t D = p.head_dim, Dv = p.head_dim_v;
+  const mask_spec& mask = p.mask;
+  std::int64_t key_end = p.len_k;
+  if (mask.kv_len != nullptr && mask.kv_len[b] < key_end) key_end = mask.kv_len[b];
+  const elem in = elem_of<T>();
+
+  float dk[kMaxCols] = {};  // columns g + 8c of dK_j / scale
+  float dv[kMaxCols] = {};  // columns g + 8c of dV_j
+  bool loaded_kv = false;
+  query_tile_walker<kTile> walker(mask, b, hk * p.group, (hk + 1) * p.group, k0, k1);
+  std::int64_t h = 0, tile = 0;
+  bool tile_full = false;
+  while (walker.next(h, tile, tile_full)) {
+    const void* gQ = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+    const void* gdO = element_at(bp.d_o, b * bp.d_o_stride[0] + h * bp.d_o_stride[1], bp.d_o_elem);
+    __syncthreads();  // the previous tile's sQ, sdO, sP, sdS are no longer read
+    if (!loaded_kv) {
+      const T* gK = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+      const T* gV = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+      load_rows<kThreads>(sK, lay.d_pitch, gK, in, p.k_stride[2], p.k_stride[3], k0, kTile, D,
+                          key_end);
+      load_rows<kThreads>(sV, lay.dv_pitch, gV, in, p.v_stride[2], p.v_stride[3], k0, kTile, Dv,
+                          key_end);
+      loaded_kv = true;
+    }
+    const std::int64_t q0 = tile * kTile;
+    load_rows<kThreads>(sQ, lay.d_pitch, gQ, in, p.q_stride[2], p.q_stride[3], q0, kTile, D,
+                        p.len_q);
+    load_rows<kThreads>(sdO, lay.dv_pitch, gdO, bp.d_o_elem, bp.d_o_stride[2], bp.d_o_stride[3], q0,
+                        kTile, Dv, p.len_q);
+    if (threadIdx.x < kTile) {
+      const std::int64_t i = q0 + threadIdx.x;
+      sLSE[threadIdx.x] =
+          i < p.len_q ? p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]]
+                      : -INFINITY;
+      sDelta[threadIdx.x] = i < p.len_q ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f;
+    }
+    __syncthreads();
+
+    // P_ij = exp(S_ij - LSE_i) through the guard, dS_ij = P_ij (dO_i · V_j - Delta_i).
+    std::uint32_t vis = 0;
+#pragma unroll
+    for (int u = 0; u < kPerLane; ++u) {
+      const int c = g + kLanes * u;
+      const std::int64_t i = q0 + c;
+      if (!tile_full && !key_visible(mask, b, h, i, j)) continue;
+      const float s = dot_rows(sQ + c * lay.d_pitch, sK + r * lay.d_pitch, D) * p.scale;
+      const float pij = online_softmax<float>::from_lse(sLSE[c]).prob(s);
+      const float dp = dot_rows(sdO + c * lay.dv_pitch, sV + r * lay.dv_pitch, Dv);
+      sP[r * (kTile + 1) + c] = pij;
+      sdS[r * (kTile + 1) + c] = pij * (dp - sDelta[c]);
+      vis |= 1u << c;
+    }
+    vis = group_or(vis);  // a key's 8 threads are consecutive lanes of one warp
+    __syncwarp();
+    for (int c = 0; c < kTile; ++c) {
+      if (((vis >> c) & 1u) == 0) continue;  // a masked row's Q and dO are never read
+      const float pij = sP[r * (kTile + 1) + c], dsij = sdS[r * (kTile + 1) + c];
+#pragma unroll
+      for (int cc = 0; cc < kMaxCols; ++cc) {
+        const std::int64_t col = g + kLanes * cc;
+        if (col < Dv) dv[cc] = fmaf(pij, sdO[c * lay.dv_pitch + col], dv[cc]);
+        if (col < D) dk[cc] = fmaf(dsij, sQ[c * lay.d_pitch + col], dk[cc]);
+      }
+    }
+  }
+
+  if (j >= p.len_k) return;
+  const std::int64_t dk_row = b * bp.dk_stride[0] + hk * bp.dk_stride[1] + j * bp.dk_stride[2];
+  const std::int64_t dv_row = b * bp.dv_stride[0] + hk * bp.dv_stride[1] + j * bp.dv_stride[2];
+#pragma unroll
+  for (int cc = 0; cc < kMaxCols; ++cc) {
+    const std::int64_t col = g + kLanes * cc;
+    if (col < D) store_elem(bp.dk, dk_row + col * bp.dk_stride[3], p.scale * dk[cc], bp.grad_out);
+    if (col < Dv) store_elem(bp.dv, dv_row + col * bp.dv_stride[3], dv[cc], bp.grad_out);
+  }
+}
+
+// dQ_i = scale Σ_j dS_ij K_j for 32 rows i of one query head: thread (r, g) owns row q0 + r,
+// computes the pairs with keys g + 8u of each key tile, and accumulates columns g + 8c.
+template <class T>
+__global__ void __launch_bounds__(kThreads) simt_dq_kernel(const backward_params bp) {
+  const kernel_params& p = bp.fwd;
+  extern __shared__ float s_mem[];
+  const simt_bwd_smem lay(p.head_dim, p.head_dim_v);
+  float* sQ = s_mem;                       // (kTile, D)   rows of this block
+  float* sdO = sQ + kTile * lay.d_pitch;   // (kTile, Dv)
+  float* sK = sdO + kTile * lay.dv_pitch;  // (kTile, D)   one key tile
+  float* sV = sK + kTile * lay.d_pitch;    // (kTile, Dv)
+  float* sdS = sV + kTile * lay.dv_pitch;  // (kTile rows, kTile keys)
+
+  const int r = static_cast<int>(threadIdx.x) / kLanes;
+  const int g = static_cast<int>(threadIdx.x) % kLanes;
+  const std::int64_t q0 = (std::int64_t(gridDim.x) - 1 - blockIdx.x) * kTile;
+  const std::int64_t h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const std::int64_t q1 = q0 + kTile < p.len_q ? q0 + kTile : p.len_q;
+  const std::int64_t i = q0 + r;
+  const std::int64_t D = p.head_dim, Dv = p.head_dim_v;
+  const mask_spec& mask = p.mask;
+  const elem in = elem_of<T>();
+  const float lse_i = i < p.len_q
+                          ? p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]]
+                          : -INFINITY;
+  const float delta_i = i < p.len_q ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f;
+  const online_softmax<float> row = online_softmax<float>::from_lse(lse_i);
+
+  const T* gK = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const T* gV = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+
+  float dq[kMaxCols] = {};  // columns g + 8c of dQ_i / scale
+  tile_walker<kTile> walker(mask, b, h, q0, q1);
+  std::int64_t tile = 0;
+  bool tile_full = false;
+  bool loaded_q = false;
+  while (walker.next(tile, tile_full)) {
+    __syncthreads();  // the previous tile's sK, sV, sdS are no longer read
+    if (!loaded_q) {
+      const T* gQ = static_cast<const T*>(p.q) + b * p.q_stride[0] + h * p.q_stride[1];
+      const void* gdO =
+          element_at(bp.d_o, b * bp.d_o_stride[0] + h * bp.d_o_stride[1], bp.d_o_elem);
+      load_rows<kThreads>(sQ, lay.d_pitch, gQ, in, p.q_stride[2], p.q_stride[3], q0, kTile, D,
+                          p.len_q);
+      load_rows<kThreads>(sdO, lay.dv_pitch, gdO, bp.d_o_elem, bp.d_o_stride[2], bp.d_o_stride[3],
+                          q0, kTile, Dv, p.len_q);
+      loaded_q = true;
+    }
+    const std::int64_t k0 = tile * kTile;
+    load_rows<kThreads>(sK, lay.d_pitch, gK, in, p.k_stride[2], p.k_stride[3], k0, kTile, D,
+                        walker.key_end);
+    load_rows<kThreads>(sV, lay.dv_pitch, gV, in, p.v_stride[2], p.v_stride[3], k0, kTile, Dv,
+                        walker.key_end);
+    __syncthreads();
+
+    // dS_ij = P_ij (dO_i · V_j - Delta_i), P_ij = exp(S_ij - LSE_i) through the guard.
+    std::uint32_t vis = 0;
+#pragma unroll
+    for (int u = 0; u < kPerLane; ++u) {
+      const int c = g + kLanes * u;
+      if (!tile_full && !key_visible(mask, b, h, i, k0 + c)) continue;
+      const float s = dot_rows(sQ + r * lay.d_pitch, sK + c * lay.d_pitch, D) * p.scale;
+      const float pij = row.prob(s);
+      const float dp = dot_rows(sdO + r * lay.dv_pitch, sV + c * lay.dv_pitch, Dv);
+      sdS[r * (kTile + 1) + c] = pij * (dp - delta_i);
+      vis |= 1u << c;
+    }
+    vis = group_or(vis);  // a row's 8 threads are consecutive lanes of one warp
+    __syncwarp();
+    for (int c = 0; c < kTile; ++c) {
+      if (((vis >> c) & 1u) == 0) continue;  // a masked key's K is never read
+      const float dsij = sdS[r * (kTile + 1) + c];
+#pragma unroll
+      for (int cc = 0; cc < kMaxCols; ++cc) {
+        const std::int64_t col = g + kLanes * cc;
+        if (col < D) dq[cc] = fmaf(dsij, sK[c * lay.d_pitch + col], dq[cc]);
+      }
+    }
+  }
+
+  if (i >= p.len_q) return;
+  const std::int64_t dq_row = b * bp.dq_stride[0] + h * bp.dq_stride[1] + i * bp.dq_stride[2];
+#pragma unroll
+  for (int cc = 0; cc < kMaxCols; ++cc) {
+    const std::int64_t col = g + kLanes * cc;
+    if (col < D) store_elem(bp.dq, dq_row + col * bp.dq_stride[3], p.scale * dq[cc], bp.grad_out);
+  }
+}
+
+template <class T>
+cudaError_t launch_simt_bwd(const backward_params& bp, cudaStream_t stream) {
+  const kernel_params& p = bp.fwd;
+  const std::size_t smem_bytes = simt_bwd_smem(p.head_dim, p.head_dim_v).bytes();
+  for (const void* kernel : {reinterpret_cast<const void*>(simt_dkdv_kernel<T>),
+                             reinterpret_cast<const void*>(simt_dq_kernel<T>)}) {
+    const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                               static_cast<int>(smem_bytes));
+    if (e != cudaSuccess) return e;
+  }
+  if (p.len_k > 0 && p.heads_k > 0 && p.batch > 0) {
+    const dim3 grid(static_cast<unsigned>((p.len_k + kTile - 1) / kTile),
+                    static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
+    simt_dkdv_kernel<T><<<grid, kThreads, smem_bytes, stream>>>(bp);
+  }
+  if (p.len_q > 0 && p.heads_q > 0 && p.batch > 0) {
+    const dim3 grid(static_cast<unsigned>((p.len_q + kTile - 1) / kTile),
+                    static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
+    simt_dq_kernel<T><<<grid, kThreads, smem_bytes, stream>>>(bp);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_backward_delta(const backward_params& bp, cudaStream_t stream) {
+  const std::int64_t rows = bp.fwd.batch * bp.fwd.heads_q * bp.fwd.len_q;
+  if (rows == 0) return cudaSuccess;
+  const unsigned blocks =
+      static_cast<unsigned>((rows + kRowsPerDeltaBlock - 1) / kRowsPerDeltaBlock);
+  delta_kernel<<<blocks, kRowsPerDeltaBlock * 32, 0, stream>>>(bp);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_simt_backward(const backward_params& bp, elem input, cudaStream_t stream) {
+  switch (input) {
+    case elem::bf16:
+      return launch_simt_bwd<__nv_bfloat16>(bp, stream);
+    case elem::f16:
+      return launch_simt_bwd<__half>(bp, stream);
+    default:
+      return launch_simt_bwd<float>(bp, stream);
+  }
+}
+
+}  // namespace flashref::cuda::detail

@@ -1,0 +1,414 @@
+// The CUDA backward (SPEC §9) against the naive float64 golden gradients: the float32 SIMT
+// kernel and the bf16 / fp16 tensor-core kernels, each forced; every backward fixture; the
+// backward catalogue; random problems at the tensor-core head dims; bitwise determinism from run
+// to run (dQ included); the device entry with caller memory, a workspace and a stream;
+// block-sparse masks with empty query-block rows and key tiles no row sees (dK = dV = 0
+// exactly); NaN confinement; errors that name the field.
+#include <catch2/catch.hpp>
+
+#include <cuda_runtime_api.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "../common/backward_check.hpp"
+#include "../common/catalogue.hpp"
+#include "flashref/cuda/attention.hpp"
+#include "flashref/cuda/backward.hpp"
+#include "flashref/flashref.hpp"
+#include "flashref/testdata/cases.hpp"
+#include "flashref/testdata/fixture.hpp"
+#include "kernel_names.hpp"
+
+using flashref::causal_mode;
+using flashref::input_dtype;
+using flashref::problem_data;
+using flashref::problem_error;
+using flashref::test::catalogue_case;
+using flashref::test::problem_shape;
+namespace fc = flashref::cuda;
+using flashref::test::name_of;
+
+namespace {
+
+// The tensor-core backward takes D = Dv in {64, 128}.
+bool tensor_core_dims(const problem_shape& s) {
+  return s.D == s.Dv && (s.D == 64 || s.D == 128);
+}
+
+// The kernels to run a dtype on, each forced: simt, and tensor_core too for half precision at
+// its head dims (automatic takes one of the two: tests/cuda checks the choice below).
+std::vector<fc::kernel_choice> backward_kernels(input_dtype dtype, const problem_shape& s) {
+  std::vector<fc::kernel_choice> k{fc::kernel_choice::simt};
+  if (dtype != input_dtype::float32 && tensor_core_dims(s)) {
+    k.push_back(fc::kernel_choice::tensor_core);
+  }
+  return k;
+}
+
+// The forward on the CUDA backend (its O and LSE are what the backward starts from, as in
+// use), then the backward on `kernel`, judged against the golden gradients with `dtype`'s
+// tolerance.
+void run_and_check(problem_data& d, input_dtype dtype, fc::kernel_choice kernel,
+                   std::uint64_t seed) {
+  CAPTURE(name_of(kernel), flashref::to_string(dtype));
+  fc::attention(d.problem());
+  flashref::test::add_upstream_gradient(d, seed);
+  fc::attention_backward(d.problem(), d.gradients(), kernel);
+  FLASHREF_REQUIRE_GRADIENTS_CONFORM(flashref::test::check_backward_against_naive(d, dtype));
+}
+
+void check_on_every_kernel(const catalogue_case& c, input_dtype dtype) {
+  CAPTURE(c.name, c.shape.describe(), c.seed);
+  for (const fc::kernel_choice kernel : backward_kernels(dtype, c.shape)) {
+    problem_data d = flashref::test::build(c, dtype);
+    run_and_check(d, dtype, kernel, c.seed);
+  }
+}
+
+std::vector<float> as_vector(const xt::xtensor<float, 4>& x) {
+  return {x.begin(), x.end()};
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+TEST_CASE("cuda backward passes every backward fixture on every kernel",
+          "[cuda][backward][fixtures]") {
+  // The fixture folder: FLASHREF_TESTDATA_DIR in the environment, else the source tree's.
+  const char* env = std::getenv("FLASHREF_TESTDATA_DIR");
+  const std::filesystem::path dir = env != nullptr ? env : FLASHREF_TESTDATA_DIR;
+  int on_simt = 0, on_tensor_cores = 0;
+  for (const flashref::testdata::case_info& c : flashref::testdata::cases()) {
+    const flashref::testdata::fixture fx = flashref::testdata::read_fixture(dir / (c.name + ".h5"));
+    if (!fx.grads) continue;  // the case states why it has none (test_fixtures checks that)
+    const input_dtype dtype = fx.in.opt.dtype;
+    problem_shape s;
+    s.D = std::int64_t(fx.in.q.shape()[3]);
+    s.Dv = std::int64_t(fx.in.v.shape()[3]);
+    for (const fc::kernel_choice kernel : backward_kernels(dtype, s)) {
+      CAPTURE(c.name, flashref::to_string(dtype), name_of(kernel));
+      problem_data d = fx.in;
+      fc::attention(d.problem());
+      const flashref::attention_gradients g = d.gradients();
+      for (auto* x : {&d.dq, &d.dk, &d.dv})
+        std::fill(x->begin(), x->end(), NAN);  // unwritten elements must show
+      fc::attention_backward(d.problem(), g, kernel);
+      const auto& gold = *fx.grads;
+      const std::int64_t D = gold.q_shape[3], Dv = gold.v_shape[3];
+      using flashref::test::gather;
+      FLASHREF_REQUIRE_GRADIENT_CONFORMS(
+          "dq", flashref::compare_gradient(gold.dq, gather(g.dq).data(), D, gold.row_empty, dtype));
+      FLASHREF_REQUIRE_GRADIENT_CONFORMS(
+          "dk",
+          flashref::compare_gradient(gold.dk, gather(g.dk).data(), D, gold.key_unseen, dtype));
+      FLASHREF_REQUIRE_GRADIENT_CONFORMS(
+          "dv",
+          flashref::compare_gradient(gold.dv, gather(g.dv).data(), Dv, gold.key_unseen, dtype));
+      on_simt += kernel == fc::kernel_choice::simt;
+      on_tensor_cores += kernel == fc::kernel_choice::tensor_core;
+    }
+  }
+  // Every fixture with gradients (test_fixtures counts at least 27) on the float32 kernel, and
+  // the half-precision ones at D = Dv in {64, 128} (4 when this was written) on tensor cores.
+  CHECK(on_simt >= 27);
+  CHECK(on_tensor_cores >= 4);
+}
+
+TEST_CASE("cuda backward: the backward catalogue on every kernel", "[cuda][backward]") {
+  // float32 (the SIMT kernel) and both half-precision types (tensor_core where it applies).
+  const input_dtype dtype =
+      GENERATE(input_dtype::float32, input_dtype::bfloat16, input_dtype::float16);
+  for (const catalogue_case& c : flashref::test::backward_cases())
+    check_on_every_kernel(c, dtype);
+}
+
+TEST_CASE("cuda backward: random problems at the tensor-core head dims",
+          "[cuda][backward][random]") {
+  const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float16);
+  for (catalogue_case c : flashref::test::random_cases(200, 24)) {
+    c.shape = flashref::test::well_conditioned(c.shape);
+    c.shape.D = c.shape.Dv = c.seed % 2 == 0 ? 64 : 128;
+    c.shape.Lq = c.shape.Lq * 3 + 5, c.shape.Lk = c.shape.Lk * 3 + 7;  // several tiles
+    if (c.shape.window_left == 0 && c.shape.window_right == 0) c.shape.window_right = 1;
+    check_on_every_kernel(c, dtype);
+  }
+}
+
+TEST_CASE("cuda backward: block-sparse with empty query-block rows and key tiles no row sees",
+          "[cuda][backward][race]") {
+  // Sparse enough that some key blocks are seen by no row of a whole GQA group and some query
+  // blocks see nothing; block sizes equal to the kernels' tiles, larger, and dividing nothing.
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 320, s.Lk = 448, s.block_density = 0.12;
+  const auto [d, bq, bk, causal] = GENERATE(table<std::int64_t, std::int64_t, std::int64_t, bool>(
+      {{64, 64, 64, false}, {128, 128, 100, true}, {128, 48, 128, false}}));
+  s.D = s.Dv = d, s.block_q = bq, s.block_k = bk;
+  s.causal = causal ? causal_mode::bottom_right : causal_mode::none;
+  const input_dtype dtype = input_dtype::bfloat16;
+  problem_data base = flashref::test::build({"block-sparse backward", s, 70}, dtype);
+  {
+    // The golden gradients mark the empty rows and unseen keys; the case must have both (the
+    // checks below require them exactly 0).
+    problem_data d0 = base;
+    flashref::test::add_upstream_gradient(d0, 70);
+    const auto gold =
+        flashref::reference::naive_attention_backward(d0.inputs(), d0.gradients().d_o);
+    std::int64_t empty = 0, unseen = 0;
+    for (char e : gold.row_empty)
+      empty += e;
+    for (char u : gold.key_unseen)
+      unseen += u;
+    CAPTURE(s.describe());
+    REQUIRE(empty > 0);
+    REQUIRE(unseen > 0);
+  }
+  for (const fc::kernel_choice kernel : {fc::kernel_choice::tensor_core, fc::kernel_choice::simt}) {
+    CAPTURE(s.describe());
+    problem_data dk = base;
+    run_and_check(dk, dtype, kernel, 70);
+  }
+}
+
+TEST_CASE("cuda backward is bitwise deterministic from run to run", "[cuda][backward][big]") {
+  problem_shape s;
+  s.B = 1, s.Hq = 8, s.Hk = 2, s.Lq = 500, s.Lk = 700, s.D = s.Dv = GENERATE(64, 128);
+  s.block_q = 64, s.block_k = 128, s.block_density = 0.7, s.causal = causal_mode::bottom_right;
+  for (const fc::kernel_choice kernel : {fc::kernel_choice::tensor_core, fc::kernel_choice::simt}) {
+    CAPTURE(s.describe(), name_of(kernel));
+    problem_data d = flashref::test::build({"determinism", s, 71}, input_dtype::bfloat16);
+    fc::attention(d.problem());
+    std::vector<float> dq, dk, dv;
+    for (int run = 0; run < 3; ++run) {
+      flashref::test::add_upstream_gradient(d, 71);
+      fc::attention_backward(d.problem(), d.gradients(), kernel);
+      if (run == 0) {
+        FLASHREF_REQUIRE_GRADIENTS_CONFORM(
+            flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+        dq = as_vector(d.dq), dk = as_vector(d.dk), dv = as_vector(d.dv);
+      } else {
+        REQUIRE(same_bits(as_vector(d.dq), dq));
+        REQUIRE(same_bits(as_vector(d.dk), dk));
+        REQUIRE(same_bits(as_vector(d.dv), dv));
+      }
+    }
+  }
+}
+
+namespace {
+
+void cuda_check(cudaError_t e) {
+  REQUIRE(std::string(cudaGetErrorString(e)) == "no error");
+}
+
+// Device memory freed at the end of a test.
+struct device_memory {
+  std::vector<void*> allocations;
+  ~device_memory() {
+    for (void* p : allocations)
+      cudaFree(p);
+  }
+  void* alloc(std::size_t bytes) {
+    void* d = nullptr;
+    cuda_check(cudaMalloc(&d, bytes == 0 ? 1 : bytes));
+    allocations.push_back(d);
+    return d;
+  }
+  template <class T>
+  void* upload(const std::vector<T>& host) {
+    void* d = alloc(host.size() * sizeof(T));
+    cuda_check(cudaMemcpy(d, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice));
+    return d;
+  }
+};
+
+std::uint16_t bf16_bits(float x) {
+  std::uint32_t u = 0;
+  std::memcpy(&u, &x, sizeof u);
+  return std::uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
+}
+float from_bf16_bits(std::uint16_t b) {
+  const std::uint32_t u = std::uint32_t(b) << 16;
+  float x = 0;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+}
+
+// A (B, L, H, X) bf16 copy of a (B, H, L, X) view: the [B, L, H, D] storage of FlashAttention.
+template <class View>
+std::vector<std::uint16_t> blhd_bits(const View& t) {
+  const std::int64_t B = t.shape[0], H = t.shape[1], L = t.shape[2], X = t.shape[3];
+  std::vector<std::uint16_t> out(std::size_t(B * L * H * X));
+  for (std::int64_t b = 0; b < B; ++b)
+    for (std::int64_t h = 0; h < H; ++h)
+      for (std::int64_t i = 0; i < L; ++i)
+        for (std::int64_t x = 0; x < X; ++x)
+          out[std::size_t(((b * L + i) * H + h) * X + x)] = bf16_bits(t(b, h, i, x));
+  return out;
+}
+
+fc::device_tensor<4> blhd_tensor(void* data, input_dtype t, const std::array<std::int64_t, 4>& s) {
+  // s = (B, H, L, X) stored as (B, L, H, X)
+  return {data, t, s, {s[2] * s[1] * s[3], s[3], s[1] * s[3], 1}};
+}
+
+}  // namespace
+
+TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, a workspace",
+          "[cuda][backward][race]") {
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 200, s.Lk = 333, s.D = s.Dv = GENERATE(64, 128);
+  s.causal = causal_mode::bottom_right, s.use_kv_len = true;
+  // The caller's workspace, or none: the entry then allocates it on the stream.
+  const bool caller_workspace = GENERATE(true, false);
+  CAPTURE(s.describe(), caller_workspace);
+  problem_data d = flashref::test::build({"device entry", s, 72}, input_dtype::bfloat16);
+  fc::attention(d.problem());  // O, LSE in float32 on the host
+  flashref::test::add_upstream_gradient(d, 72);
+  // The device copies: q, k, v, dO, O as bf16 [B, L, H, D]; LSE float32; dO rounded to bf16, so
+  // the golden gradients are taken with the rounded dO.
+  const flashref::attention_problem p = d.problem();
+  const flashref::attention_gradients g = d.gradients();
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t h = 0; h < s.Hq; ++h)
+      for (std::int64_t i = 0; i < s.Lq; ++i)
+        for (std::int64_t x = 0; x < s.Dv; ++x)
+          const_cast<float&>(g.d_o(b, h, i, x)) = from_bf16_bits(bf16_bits(g.d_o(b, h, i, x)));
+
+  device_memory mem;
+  cudaStream_t stream = nullptr;
+  cuda_check(cudaStreamCreate(&stream));
+  fc::device_backward_problem dp;
+  const input_dtype bf = input_dtype::bfloat16;
+  dp.forward.q = blhd_tensor(mem.upload(blhd_bits(p.q)), bf, p.q.shape);
+  dp.forward.k = blhd_tensor(mem.upload(blhd_bits(p.k)), bf, p.k.shape);
+  dp.forward.v = blhd_tensor(mem.upload(blhd_bits(p.v)), bf, p.v.shape);
+  dp.forward.o = blhd_tensor(mem.upload(blhd_bits(p.o)), bf, p.o.shape);
+  std::vector<float> lse(std::size_t(s.B * s.Hq * s.Lq));
+  for (std::int64_t n = 0; n < std::int64_t(lse.size()); ++n)
+    lse[std::size_t(n)] = p.lse(n / (s.Hq * s.Lq), n / s.Lq % s.Hq, n % s.Lq);
+  dp.forward.lse = {mem.upload(lse), input_dtype::float32, p.lse.shape, {s.Hq * s.Lq, s.Lq, 1}};
+  std::vector<std::int32_t> kv_len(p.kv_len, p.kv_len + s.B);
+  dp.forward.kv_len = static_cast<const std::int32_t*>(mem.upload(kv_len));
+  dp.forward.causal = p.causal;
+  dp.forward.kernel = fc::kernel_choice::tensor_core;
+  dp.d_o = blhd_tensor(mem.upload(blhd_bits(g.d_o)), bf, g.d_o.shape);
+  const auto out = [&](const std::array<std::int64_t, 4>& shape) {
+    return blhd_tensor(mem.alloc(std::size_t(shape[0] * shape[1] * shape[2] * shape[3]) * 2), bf,
+                       shape);
+  };
+  dp.d_q = out(g.dq.shape);
+  dp.d_k = out(g.dk.shape);
+  dp.d_v = out(g.dv.shape);
+  if (caller_workspace) {
+    dp.workspace_bytes = fc::backward_workspace_bytes(dp);
+    dp.workspace = mem.alloc(dp.workspace_bytes);
+  }
+  REQUIRE(std::string(fc::backward_kernel_for(dp)) == "tensor_core");
+  fc::attention_backward(dp, stream);
+  cuda_check(cudaStreamSynchronize(stream));
+  cuda_check(cudaStreamDestroy(stream));
+
+  // Back to the host views, (B, L, H, X) bf16 -> (B, H, L, X) float32.
+  const auto fetch = [&](const fc::device_tensor<4>& t, const flashref::strided<float, 4>& view) {
+    const std::int64_t n = t.shape[0] * t.shape[1] * t.shape[2] * t.shape[3];
+    std::vector<std::uint16_t> bits(static_cast<std::size_t>(n));
+    cuda_check(cudaMemcpy(bits.data(), t.data, bits.size() * 2, cudaMemcpyDeviceToHost));
+    for (std::int64_t b = 0; b < t.shape[0]; ++b)
+      for (std::int64_t h = 0; h < t.shape[1]; ++h)
+        for (std::int64_t i = 0; i < t.shape[2]; ++i)
+          for (std::int64_t x = 0; x < t.shape[3]; ++x)
+            view(b, h, i, x) = from_bf16_bits(
+                bits[std::size_t(b * t.stride[0] + h * t.stride[1] + i * t.stride[2] + x)]);
+  };
+  fetch(dp.d_q, g.dq);
+  fetch(dp.d_k, g.dk);
+  fetch(dp.d_v, g.dv);
+  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
+      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+}
+
+TEST_CASE("cuda backward: a NaN in an input reaches only what it feeds", "[cuda][backward]") {
+  // bf16 data with a NaN in one key: the host entry runs the float32 kernel, which never reads a
+  // masked pair (a tensor-core product would add 0 · NaN into the rows that mask the key). Under
+  // a causal mask the rows that see the key get a NaN score, hence a NaN LSE and dQ; the rows
+  // before it keep finite gradients.
+  problem_shape s;
+  s.Lq = 96, s.Lk = 96, s.D = s.Dv = 64, s.causal = causal_mode::bottom_right;
+  problem_data d = flashref::test::build({"nan", s, 73}, input_dtype::bfloat16);
+  const std::size_t key = 40;
+  d.k(0, 0, key, 7) = NAN;
+  fc::attention(d.problem());
+  flashref::test::add_upstream_gradient(d, 73);
+  fc::attention_backward(d.problem(), d.gradients(), fc::kernel_choice::tensor_core);
+  for (std::size_t i = 0; i < std::size_t(s.Lq); ++i) {
+    CAPTURE(i);
+    for (std::size_t x = 0; x < std::size_t(s.D); ++x)
+      REQUIRE(std::isnan(d.dq(0, 0, i, x)) == (i >= key));
+  }
+}
+
+TEST_CASE("cuda backward: kernel choice and errors name the field", "[cuda][backward]") {
+  problem_shape s;
+  s.Lq = 16, s.Lk = 16, s.D = s.Dv = 32;
+  problem_data d = flashref::test::build({"errors", s, 74}, input_dtype::bfloat16);
+  fc::attention(d.problem());
+  flashref::test::add_upstream_gradient(d, 74);
+  REQUIRE_THROWS_WITH(fc::attention_backward(d.problem(), d.gradients(), fc::kernel_choice::hopper),
+                      Catch::Contains("there is no hopper backward"));
+  REQUIRE_THROWS_WITH(
+      fc::attention_backward(d.problem(), d.gradients(), fc::kernel_choice::tensor_core),
+      Catch::StartsWith("kernel: expected a problem the tensor_core backward takes"));
+  flashref::attention_gradients g = d.gradients();
+  g.dk.shape[3] = 5;
+  REQUIRE_THROWS_WITH(fc::attention_backward(d.problem(), g),
+                      "dk: expected shape [1, 1, 16, 32], got [1, 1, 16, 5]");
+
+  fc::device_backward_problem dp;
+  alignas(16) static float dummy[4] = {};  // never read: only shapes and dtypes are checked
+  const std::array<std::int64_t, 4> shape{1, 1, 16, 64}, stride{1024, 1024, 64, 1};
+  dp.forward.q = dp.forward.k = dp.forward.v = {dummy, input_dtype::bfloat16, shape, stride};
+  dp.forward.o = {dummy, input_dtype::float32, shape, stride};
+  dp.forward.lse = {dummy, input_dtype::float32, {1, 1, 16}, {16, 16, 1}};
+  dp.d_o = dp.forward.q;
+  dp.d_q = dp.d_k = dp.d_v = {dummy, input_dtype::float32, shape, stride};
+  REQUIRE(std::string(fc::backward_kernel_for(dp)) == "tensor_core");  // automatic
+  dp.forward.kernel = fc::kernel_choice::simt;
+  REQUIRE(std::string(fc::backward_kernel_for(dp)) == "simt");
+  dp.forward.kernel = fc::kernel_choice::automatic;
+  dp.d_o.dtype = input_dtype::float32;  // the tensor-core kernel takes dO in q's dtype
+  REQUIRE(std::string(fc::backward_kernel_for(dp)) == "simt");
+  dp.d_o.dtype = input_dtype::float16;
+  REQUIRE_THROWS_WITH(fc::backward_kernel_for(dp),
+                      "d_o: expected dtype float32 or the input dtype bfloat16, got float16");
+  dp.d_o.dtype = input_dtype::bfloat16;
+  dp.d_v.dtype = input_dtype::bfloat16;
+  REQUIRE_THROWS_WITH(fc::backward_kernel_for(dp),
+                      "d_v: expected dtype float32 (d_q's), got bfloat16");
+  dp.d_v.dtype = input_dtype::float32;
+  dp.forward.lse.data = nullptr;
+  REQUIRE_THROWS_WITH(fc::backward_kernel_for(dp), Catch::StartsWith("lse:"));
+}
+
+TEST_CASE("the API runs the backward on the CUDA backend", "[cuda][backward]") {
+  bool listed = false;
+  for (const flashref::backend_info& info : flashref::backends())
+    listed = listed || (info.id == flashref::backend::cuda && info.backward);
+  REQUIRE(listed);
+  problem_shape s;
+  s.Lq = 40, s.Lk = 50, s.D = s.Dv = 16;
+  problem_data d = flashref::test::random_problem(s, 75);
+  fc::attention(d.problem());
+  flashref::test::add_upstream_gradient(d, 75);
+  REQUIRE(flashref::attention_backward(d.problem(), d.gradients(), flashref::backend::automatic) ==
+          flashref::backend::cuda);
+  FLASHREF_REQUIRE_GRADIENTS_CONFORM(flashref::test::check_backward_against_naive(d));
+}
