@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "flashref/reference/mask.hpp"
+#include "guards.hpp"
 #include "launch.hpp"
 
 namespace flashref::cuda {
@@ -44,11 +45,19 @@ std::size_t elem_bytes(input_dtype t) {
   return t == input_dtype::float32 ? 4 : 2;
 }
 
-// Owns one device allocation.
+// Owns one device allocation of the host entry; out of memory is a problem_error naming the
+// field, and leaves no error pending for the next launch check.
 class device_buffer {
  public:
-  explicit device_buffer(std::size_t bytes) {
-    check(cudaMalloc(&ptr_, bytes == 0 ? 1 : bytes), "cudaMalloc");
+  device_buffer(const char* field, std::size_t bytes) {
+    const cudaError_t e = cudaMalloc(&ptr_, bytes == 0 ? 1 : bytes);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      ptr_ = nullptr;
+      throw problem_error(std::string(field) + ": expected " + std::to_string(bytes) +
+                          " bytes of device memory, got " + cudaGetErrorName(e) + " (" +
+                          cudaGetErrorString(e) + ")");
+    }
   }
   ~device_buffer() { cudaFree(ptr_); }
   device_buffer(const device_buffer&) = delete;
@@ -215,8 +224,10 @@ void copy_array(std::int64_t (&dst)[R], const std::array<std::int64_t, R>& src) 
 }
 
 // Enqueues a validated problem; `mask` carries the problem's mask with kv_len in device memory.
+// With `guard_v`, a tensor-core kernel is followed by the scan of V and the gated SIMT kernel
+// (SPEC §2 for a V that may hold NaN or inf; cuda/NOTES.md).
 void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
-             double softmax_scale, cudaStream_t stream) {
+             double softmax_scale, cudaStream_t stream, bool guard_v = false) {
   const std::int64_t B = p.q.shape[0], Hq = p.q.shape[1], Hk = p.k.shape[1];
   if (B * Hq * p.q.shape[2] == 0) return;  // nothing to write
   detail::kernel_params kp{};
@@ -242,20 +253,38 @@ void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
   kp.out = to_elem(p.o.dtype);
   kp.mask = mask;
   kp.mask.kv_len = p.kv_len;
+  const elem input = to_elem(p.q.dtype);
+  if (guard_v && kernel != kernel_kind::simt) {
+    // The fast kernel writes every row; when the scan finds a NaN or inf, the SIMT kernel
+    // writes every row again, a masked key's value never entering a row. All stream-ordered.
+    const dim3 grid = detail::nonfinite_scan_grid(kp, detail::sm_count());
+    const std::size_t flags = std::size_t(grid.x) * grid.y;
+    const detail::stream_scratch scratch("v", flags * sizeof(std::uint32_t), stream);
+    if (scratch.get() != nullptr) {
+      enqueue(p, kernel, mask, softmax_scale, stream);
+      auto* run_if = static_cast<std::uint32_t*>(scratch.get());
+      check(detail::launch_nonfinite_scan(kp, input, grid, run_if, stream), "scan of V launch");
+      kp.run_if = run_if;
+      kp.run_if_count = std::int64_t(flags);
+      check(detail::launch_simt(kp, input, stream), "SIMT kernel launch");
+      return;
+    }
+    kernel = kernel_kind::simt;  // no stream-ordered pool on this device: the SIMT kernel alone
+  }
   switch (kernel) {
     case kernel_kind::hopper:
 #if defined(FLASHREF_CUDA_HOPPER)
-      check(detail::launch_hopper(kp, to_elem(p.q.dtype), stream), "hopper kernel launch");
+      check(detail::launch_hopper(kp, input, stream), "hopper kernel launch");
 #endif
       return;
     case kernel_kind::tensor_core:
-      check(detail::launch_tensor_core(kp, to_elem(p.q.dtype), stream),
+      check(detail::launch_tensor_core(kp, input, stream),
             "tensor-core kernel launch");
       return;
     case kernel_kind::simt:
       break;
   }
-  check(detail::launch_simt(kp, to_elem(p.q.dtype), stream), "SIMT kernel launch");
+  check(detail::launch_simt(kp, input, stream), "SIMT kernel launch");
 }
 
 // Packs a strided host view into a contiguous row-major vector, in one pass that also tells
@@ -330,7 +359,8 @@ void attention(const device_problem& p, cudaStream_t stream) {
   validate(shapes);
   const kernel_kind kernel = choose(p);
   check_device_limits(p, kernel);
-  enqueue(p, kernel, make_mask_spec(shapes), shapes.softmax_scale(), stream);
+  check_device_memory(p);  // before any launch
+  enqueue(p, kernel, make_mask_spec(shapes), shapes.softmax_scale(), stream, !p.v_finite);
 }
 
 void attention(const attention_problem& p, kernel_choice kernel) {
@@ -377,9 +407,9 @@ void attention(const attention_problem& p, kernel_choice kernel) {
   check_device_limits(dp, chosen);
 
   cudaStream_t stream = nullptr;
-  auto upload = [&](const std::vector<float>& packed, device_tensor<4>& dev,
+  auto upload = [&](const char* field, const std::vector<float>& packed, device_tensor<4>& dev,
                     std::vector<device_buffer>& keep) {
-    keep.emplace_back(packed.size() * sizeof(float));
+    keep.emplace_back(field, packed.size() * sizeof(float));
     float* d32 = static_cast<float*>(keep.back().get());
     check(cudaMemcpy(d32, packed.data(), packed.size() * sizeof(float), cudaMemcpyHostToDevice),
           "cudaMemcpy (inputs)");
@@ -387,7 +417,7 @@ void attention(const attention_problem& p, kernel_choice kernel) {
       dev.data = d32;
       return;
     }
-    keep.emplace_back(packed.size() * elem_bytes(in));
+    keep.emplace_back(field, packed.size() * elem_bytes(in));
     check(detail::launch_convert(d32, keep.back().get(), std::int64_t(packed.size()), to_elem(in),
                                  stream),
           "conversion kernel launch");
@@ -395,14 +425,14 @@ void attention(const attention_problem& p, kernel_choice kernel) {
   };
   std::vector<device_buffer> keep;
   keep.reserve(8);
-  upload(q, dp.q, keep);
-  upload(k, dp.k, keep);
-  upload(v, dp.v, keep);
+  upload("q", q, dp.q, keep);
+  upload("k", k, dp.k, keep);
+  upload("v", v, dp.v, keep);
 
   const std::array<std::int64_t, 4> o_shape{B, Hq, Lq, p.head_dim_v()};
   const std::array<std::int64_t, 3> lse_shape{B, Hq, Lq};
-  device_buffer d_o(std::size_t(B * Hq * Lq * p.head_dim_v()) * sizeof(float));
-  device_buffer d_lse(std::size_t(B * Hq * Lq) * sizeof(float));
+  device_buffer d_o("o", std::size_t(B * Hq * Lq * p.head_dim_v()) * sizeof(float));
+  device_buffer d_lse("lse", std::size_t(B * Hq * Lq) * sizeof(float));
   dp.o = {d_o.get(), input_dtype::float32, o_shape, dense_strides<4>(o_shape)};
   dp.lse = {d_lse.get(), input_dtype::float32, lse_shape, dense_strides<3>(lse_shape)};
 
@@ -413,7 +443,7 @@ void attention(const attention_problem& p, kernel_choice kernel) {
   std::vector<device_buffer> mask_keep;
   if (p.has_block_mask()) {
     const std::vector<std::uint8_t> bm = pack(p.block_mask);
-    mask_keep.emplace_back(bm.size());
+    mask_keep.emplace_back("block_mask", bm.size());
     check(cudaMemcpy(mask_keep.back().get(), bm.data(), bm.size(), cudaMemcpyHostToDevice),
           "cudaMemcpy (block_mask)");
     dp.block_mask = {static_cast<const std::uint8_t*>(mask_keep.back().get()), p.block_mask.shape,
@@ -422,7 +452,7 @@ void attention(const attention_problem& p, kernel_choice kernel) {
     dp.block_k = p.block_k;
   }
   if (p.kv_len != nullptr) {
-    mask_keep.emplace_back(std::size_t(B) * sizeof(std::int32_t));
+    mask_keep.emplace_back("kv_len", std::size_t(B) * sizeof(std::int32_t));
     check(cudaMemcpy(mask_keep.back().get(), p.kv_len, std::size_t(B) * sizeof(std::int32_t),
                      cudaMemcpyHostToDevice),
           "cudaMemcpy (kv_len)");
