@@ -278,8 +278,7 @@ void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
 #endif
       return;
     case kernel_kind::tensor_core:
-      check(detail::launch_tensor_core(kp, input, stream),
-            "tensor-core kernel launch");
+      check(detail::launch_tensor_core(kp, input, stream), "tensor-core kernel launch");
       return;
     case kernel_kind::simt:
       break;

@@ -47,8 +47,7 @@ F driver_function(const char* name, unsigned version) {
 const driver_api& driver() {
   static const driver_api api{
       driver_function<PFN_cuMemGetAddressRange_v3020>("cuMemGetAddressRange", 3020),
-      driver_function<PFN_cuMemRetainAllocationHandle_v11000>("cuMemRetainAllocationHandle",
-                                                              11000),
+      driver_function<PFN_cuMemRetainAllocationHandle_v11000>("cuMemRetainAllocationHandle", 11000),
       driver_function<PFN_cuMemRelease_v10020>("cuMemRelease", 10020)};
   return api;
 }
@@ -167,7 +166,7 @@ void check_pointer(const char* name, const void* data, const std::optional<byte_
       if (a.devicePointer != data) {
         throw problem_error(std::string(name) +
                             ": expected a pointer to device memory, got a page-locked host "
-                            "pointer the device maps at another address");
+                            "pointer the device does not map at that address");
       }
       break;
     case cudaMemoryTypeUnregistered:
@@ -208,8 +207,7 @@ void check_device_memory(const device_problem& p) {
   if (p.kv_len != nullptr) {
     const std::int64_t B = p.q.shape[0];
     check_pointer("kv_len", p.kv_len,
-                  B > 0 ? std::optional<byte_extent>(byte_extent{0, B * 4}) : std::nullopt,
-                  device);
+                  B > 0 ? std::optional<byte_extent>(byte_extent{0, B * 4}) : std::nullopt, device);
   }
 }
 
@@ -218,9 +216,10 @@ namespace detail {
 namespace {
 
 // flashref's pool on `device`, made on first use; null where the device has no stream-ordered
-// allocator. It keeps up to kRetainBytes mapped when the streams synchronize.
+// allocator. When the streams synchronize it keeps what it has mapped up to kRetainBytes (the
+// flags of a call are a few KiB: in practice the pool's first chunk).
 cudaMemPool_t scratch_pool(int device) {
-  constexpr std::uint64_t kRetainBytes = std::uint64_t(4) << 20;
+  constexpr std::uint64_t kRetainBytes = std::uint64_t(64) << 20;
   static std::mutex mutex;
   static std::map<int, cudaMemPool_t> pools;
   const std::lock_guard<std::mutex> lock(mutex);
@@ -228,8 +227,7 @@ cudaMemPool_t scratch_pool(int device) {
   if (found != pools.end()) return found->second;
   int supported = 0;
   cudaMemPool_t pool = nullptr;
-  if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) ==
-          cudaSuccess &&
+  if (cudaDeviceGetAttribute(&supported, cudaDevAttrMemoryPoolsSupported, device) == cudaSuccess &&
       supported != 0) {
     cudaMemPoolProps props{};
     props.allocType = cudaMemAllocationTypePinned;

@@ -13,8 +13,8 @@ namespace flashref::cuda::detail {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kUnroll = 4;           // independent 16-byte loads in flight per thread
-constexpr int kBlocksPerSm = 8;      // 2048 threads per SM: one wave fills the device
+constexpr int kUnroll = 4;       // independent 16-byte loads in flight per thread
+constexpr int kBlocksPerSm = 8;  // 2048 threads per SM: one wave fills the device
 constexpr std::int64_t kMaxGridY = 65535;
 
 // A 32-bit word of two bf16 (exponent 0x7f80) or two f16 (exponent 0x7c00) values: is either
@@ -97,11 +97,11 @@ cudaError_t launch_nonfinite_scan(const kernel_params& p, elem input, dim3 grid,
   const std::int64_t sb = p.v_stride[0] * 2, sh = p.v_stride[1] * 2, sl = p.v_stride[2] * 2;
   const std::int64_t pairs = p.batch * p.heads_k;
   if (input == elem::f16) {
-    nonfinite_scan_kernel<0x7c00u><<<grid, kThreads, 0, stream>>>(
-        v, sb, sh, sl, p.heads_k, pairs, p.len_k, per_row_log2, flags);
+    nonfinite_scan_kernel<0x7c00u><<<grid, kThreads, 0, stream>>>(v, sb, sh, sl, p.heads_k, pairs,
+                                                                  p.len_k, per_row_log2, flags);
   } else {
-    nonfinite_scan_kernel<0x7f80u><<<grid, kThreads, 0, stream>>>(
-        v, sb, sh, sl, p.heads_k, pairs, p.len_k, per_row_log2, flags);
+    nonfinite_scan_kernel<0x7f80u><<<grid, kThreads, 0, stream>>>(v, sb, sh, sl, p.heads_k, pairs,
+                                                                  p.len_k, per_row_log2, flags);
   }
   return cudaGetLastError();
 }
