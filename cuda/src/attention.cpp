@@ -254,23 +254,22 @@ void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
   kp.mask = mask;
   kp.mask.kv_len = p.kv_len;
   const elem input = to_elem(p.q.dtype);
-  if (guard_v && kernel != kernel_kind::simt) {
+  if (guard_v && kernel != kernel_kind::simt && detail::stream_scratch::available()) {
     // The fast kernel writes every row; when the scan finds a NaN or inf, the SIMT kernel
-    // writes every row again, a masked key's value never entering a row. All stream-ordered.
+    // writes every row again, a masked key's value never entering a row. All stream-ordered;
+    // the fast kernel is launched first, so that the host work below overlaps it.
+    enqueue(p, kernel, mask, softmax_scale, stream);
     const dim3 grid = detail::nonfinite_scan_grid(kp, detail::sm_count());
     const std::size_t flags = std::size_t(grid.x) * grid.y;
     const detail::stream_scratch scratch("v", flags * sizeof(std::uint32_t), stream);
-    if (scratch.get() != nullptr) {
-      enqueue(p, kernel, mask, softmax_scale, stream);
-      auto* run_if = static_cast<std::uint32_t*>(scratch.get());
-      check(detail::launch_nonfinite_scan(kp, input, grid, run_if, stream), "scan of V launch");
-      kp.run_if = run_if;
-      kp.run_if_count = std::int64_t(flags);
-      check(detail::launch_simt(kp, input, stream), "SIMT kernel launch");
-      return;
-    }
-    kernel = kernel_kind::simt;  // no stream-ordered pool on this device: the SIMT kernel alone
+    auto* run_if = static_cast<std::uint32_t*>(scratch.get());
+    check(detail::launch_nonfinite_scan(kp, input, grid, run_if, stream), "scan of V launch");
+    kp.run_if = run_if;
+    kp.run_if_count = std::int64_t(flags);
+    check(detail::launch_simt(kp, input, stream), "SIMT kernel launch");
+    return;
   }
+  if (guard_v) kernel = kernel_kind::simt;  // no stream-ordered pool here: the SIMT kernel alone
   switch (kernel) {
     case kernel_kind::hopper:
 #if defined(FLASHREF_CUDA_HOPPER)

@@ -246,16 +246,25 @@ cudaMemPool_t scratch_pool(int device) {
 
 }  // namespace
 
-stream_scratch::stream_scratch(const char* field, std::size_t bytes, cudaStream_t stream)
-    : stream_(stream) {
+// The pool of the current device, or null.
+cudaMemPool_t current_pool() {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) {
     (void)cudaGetLastError();
-    return;
+    return nullptr;
   }
-  const cudaMemPool_t pool = scratch_pool(device);
-  if (pool == nullptr) return;
-  const cudaError_t e = cudaMallocFromPoolAsync(&ptr_, bytes, pool, stream);
+  return scratch_pool(device);
+}
+
+bool stream_scratch::available() {
+  return current_pool() != nullptr;
+}
+
+stream_scratch::stream_scratch(const char* field, std::size_t bytes, cudaStream_t stream)
+    : stream_(stream) {
+  const cudaMemPool_t pool = current_pool();
+  const cudaError_t e =
+      pool == nullptr ? cudaErrorNotSupported : cudaMallocFromPoolAsync(&ptr_, bytes, pool, stream);
   if (e != cudaSuccess) {
     (void)cudaGetLastError();
     ptr_ = nullptr;

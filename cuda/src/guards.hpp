@@ -21,6 +21,8 @@ class stream_scratch {
   stream_scratch(const stream_scratch&) = delete;
   stream_scratch& operator=(const stream_scratch&) = delete;
   void* get() const { return ptr_; }
+  // Does the current device have a stream-ordered allocator for it?
+  static bool available();
 
  private:
   void* ptr_ = nullptr;

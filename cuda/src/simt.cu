@@ -9,6 +9,7 @@
 #include <cuda_fp16.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "common.cuh"
@@ -178,6 +179,37 @@ __global__ void __launch_bounds__(kThreads) simt_kernel(const kernel_params p) {
   }
 }
 
+// The blocks of `kernel` that the current device holds at once, remembered per device and
+// shared-memory size (the gated launch asks on every call).
+template <class T>
+cudaError_t one_wave(std::size_t smem_bytes, std::int64_t* wave) {
+  constexpr int kDevices = 64;
+  constexpr int kDims = int(kSimtMaxHeadDim) + 1;
+  static std::atomic<std::int64_t> cache[kDevices][kDims];  // (smem bytes << 32) | wave; 0 unknown
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  const std::size_t slot = (smem_bytes / sizeof(float)) % kDims;
+  std::atomic<std::int64_t>* cached = device < kDevices ? &cache[device][slot] : nullptr;
+  if (cached != nullptr) {
+    const std::int64_t known = cached->load(std::memory_order_relaxed);
+    if (known > 0 && known >> 32 == std::int64_t(smem_bytes)) {
+      *wave = known & 0xffffffff;
+      return cudaSuccess;
+    }
+  }
+  int sms = 0, per_sm = 0;
+  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, simt_kernel<T>, kThreads,
+                                                      smem_bytes);
+  }
+  if (e != cudaSuccess) return e;
+  *wave = std::int64_t(sms) * std::max(per_sm, 1);
+  if (cached != nullptr) cached->store(std::int64_t(smem_bytes) << 32 | *wave);
+  return cudaSuccess;
+}
+
 template <class T>
 cudaError_t launch(const kernel_params& p, cudaStream_t stream) {
   const std::size_t smem_bytes = simt_smem_bytes(p.head_dim, p.head_dim_v);
@@ -187,15 +219,10 @@ cudaError_t launch(const kernel_params& p, cudaStream_t stream) {
   constexpr std::int64_t kMaxGridX = 2147483647;
   std::int64_t blocks = (p.len_q + kTileQ - 1) / kTileQ * p.heads_q * p.batch;
   if (p.run_if != nullptr) {  // one wave
-    int device = 0, sms = 0, per_sm = 0;
-    e = cudaGetDevice(&device);
-    if (e == cudaSuccess) e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (e == cudaSuccess) {
-      e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, simt_kernel<T>, kThreads,
-                                                        smem_bytes);
-    }
+    std::int64_t wave = 0;
+    e = one_wave<T>(smem_bytes, &wave);
     if (e != cudaSuccess) return e;
-    blocks = std::min<std::int64_t>(blocks, std::int64_t(sms) * std::max(per_sm, 1));
+    blocks = std::min(blocks, wave);
   }
   const unsigned grid = static_cast<unsigned>(std::min(blocks, kMaxGridX));
   simt_kernel<T><<<grid, kThreads, smem_bytes, stream>>>(p);
