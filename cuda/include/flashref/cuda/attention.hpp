@@ -105,8 +105,9 @@ void attention(const device_problem& p, cudaStream_t stream);
 // management API count as one allocation.
 void check_device_memory(const device_problem& p);
 
-// Which kernel attention(p, stream) would run: "hopper", "tensor_core" or "simt". Throws like
-// attention.
+// Which kernel attention(p, stream) would run: "hopper", "tensor_core" or "simt" (for a V
+// without NaN or inf; with one, the SIMT kernel's result replaces a tensor-core kernel's).
+// Throws like attention, the pointer checks aside.
 const char* kernel_for(const device_problem& p);
 
 }  // namespace flashref::cuda
