@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "flashref/reference/mask.hpp"
+#include "guards.hpp"
 #include "host.hpp"
 #include "launch.hpp"
 
@@ -23,24 +24,42 @@ using namespace host;
 namespace {
 
 // Enqueues a validated problem; `mask` carries the problem's mask with kv_len in device memory.
+// With `guard_v`, a tensor-core kernel is followed by the scan of V and the gated SIMT kernel
+// (SPEC §2 for a V that may hold NaN or inf; cuda/NOTES.md).
 void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
-             double softmax_scale, cudaStream_t stream) {
+             double softmax_scale, cudaStream_t stream, bool guard_v = false) {
   if (p.q.shape[0] * p.q.shape[1] * p.q.shape[2] == 0) return;  // nothing to write
-  const detail::kernel_params kp = kernel_params_of(p, mask, softmax_scale);
+  detail::kernel_params kp = kernel_params_of(p, mask, softmax_scale);
+  const detail::elem input = to_elem(p.q.dtype);
+  if (guard_v && kernel != kernel_kind::simt && detail::stream_scratch::available()) {
+    // The fast kernel writes every row; when the scan finds a NaN or inf, the SIMT kernel
+    // writes every row again, a masked key's value never entering a row. All stream-ordered;
+    // the fast kernel is launched first, so that the host work below overlaps it.
+    enqueue(p, kernel, mask, softmax_scale, stream);
+    const dim3 grid = detail::nonfinite_scan_grid(kp, detail::sm_count());
+    const std::size_t flags = std::size_t(grid.x) * grid.y;
+    const detail::stream_scratch scratch("v", flags * sizeof(std::uint32_t), stream);
+    auto* run_if = static_cast<std::uint32_t*>(scratch.get());
+    check(detail::launch_nonfinite_scan(kp, input, grid, run_if, stream), "scan of V launch");
+    kp.run_if = run_if;
+    kp.run_if_count = std::int64_t(flags);
+    check(detail::launch_simt(kp, input, stream), "SIMT kernel launch");
+    return;
+  }
+  if (guard_v) kernel = kernel_kind::simt;  // no stream-ordered pool here: the SIMT kernel alone
   switch (kernel) {
     case kernel_kind::hopper:
 #if defined(FLASHREF_CUDA_HOPPER)
-      check(detail::launch_hopper(kp, to_elem(p.q.dtype), stream), "hopper kernel launch");
+      check(detail::launch_hopper(kp, input, stream), "hopper kernel launch");
 #endif
       return;
     case kernel_kind::tensor_core:
-      check(detail::launch_tensor_core(kp, to_elem(p.q.dtype), stream),
-            "tensor-core kernel launch");
+      check(detail::launch_tensor_core(kp, input, stream), "tensor-core kernel launch");
       return;
     case kernel_kind::simt:
       break;
   }
-  check(detail::launch_simt(kp, to_elem(p.q.dtype), stream), "SIMT kernel launch");
+  check(detail::launch_simt(kp, input, stream), "SIMT kernel launch");
 }
 
 }  // namespace
@@ -86,7 +105,8 @@ void attention(const device_problem& p, cudaStream_t stream) {
   validate(shapes);
   const kernel_kind kernel = choose(p);
   check_device_limits(p, kernel);
-  enqueue(p, kernel, make_mask_spec(shapes), shapes.softmax_scale(), stream);
+  check_device_memory(p);  // before any launch
+  enqueue(p, kernel, make_mask_spec(shapes), shapes.softmax_scale(), stream, !p.v_finite);
 }
 
 void attention(const attention_problem& p, kernel_choice kernel) {
@@ -124,14 +144,14 @@ void attention(const attention_problem& p, kernel_choice kernel) {
 
   cudaStream_t stream = nullptr;
   host_upload up;
-  dp.q.data = up.tensor(q, in, stream);
-  dp.k.data = up.tensor(k, in, stream);
-  dp.v.data = up.tensor(v, in, stream);
+  dp.q.data = up.tensor("q", q, in, stream);
+  dp.k.data = up.tensor("k", k, in, stream);
+  dp.v.data = up.tensor("v", v, in, stream);
 
   const std::array<std::int64_t, 4> o_shape{B, Hq, Lq, p.head_dim_v()};
   const std::array<std::int64_t, 3> lse_shape{B, Hq, Lq};
-  device_buffer d_o(std::size_t(B * Hq * Lq * p.head_dim_v()) * sizeof(float));
-  device_buffer d_lse(std::size_t(B * Hq * Lq) * sizeof(float));
+  device_buffer d_o("o", std::size_t(B * Hq * Lq * p.head_dim_v()) * sizeof(float));
+  device_buffer d_lse("lse", std::size_t(B * Hq * Lq) * sizeof(float));
   dp.o = {d_o.get(), input_dtype::float32, o_shape, dense_strides<4>(o_shape)};
   dp.lse = {d_lse.get(), input_dtype::float32, lse_shape, dense_strides<3>(lse_shape)};
   up.masks(p, dp);

@@ -195,26 +195,26 @@ void attention_backward(const attention_problem& p, const attention_gradients& g
 
   cudaStream_t stream = nullptr;
   host_upload up;
-  dp.forward.q.data = up.tensor(q, hc.input, stream);
-  dp.forward.k.data = up.tensor(k, hc.input, stream);
-  dp.forward.v.data = up.tensor(v, hc.input, stream);
-  dp.d_o.data = up.tensor(d_o, hc.input, stream);  // rounded to bf16 / fp16 for tensor cores
+  dp.forward.q.data = up.tensor("q", q, hc.input, stream);
+  dp.forward.k.data = up.tensor("k", k, hc.input, stream);
+  dp.forward.v.data = up.tensor("v", v, hc.input, stream);
+  dp.d_o.data = up.tensor("d_o", d_o, hc.input, stream);  // rounded to bf16 / fp16 for tensor cores
   dp.forward.o = packed(p.o.shape, input_dtype::float32);
-  dp.forward.o.data = up.tensor(o, input_dtype::float32, stream);
+  dp.forward.o.data = up.tensor("o", o, input_dtype::float32, stream);
   const std::array<std::int64_t, 3> lse_shape{B, Hq, Lq};
-  dp.forward.lse = {up.tensor(lse, input_dtype::float32, stream), input_dtype::float32, lse_shape,
-                    dense_strides<3>(lse_shape)};
+  dp.forward.lse = {up.tensor("lse", lse, input_dtype::float32, stream), input_dtype::float32,
+                    lse_shape, dense_strides<3>(lse_shape)};
   up.masks(p, dp.forward);
   const std::array<std::int64_t, 4> dq_shape{B, Hq, Lq, D}, dk_shape{B, Hk, Lk, D},
       dv_shape{B, Hk, Lk, Dv};
   dp.d_q = packed(dq_shape, input_dtype::float32);
   dp.d_k = packed(dk_shape, input_dtype::float32);
   dp.d_v = packed(dv_shape, input_dtype::float32);
-  dp.d_q.data = up.alloc(std::size_t(B * Hq * Lq * D) * sizeof(float));
-  dp.d_k.data = up.alloc(std::size_t(B * Hk * Lk * D) * sizeof(float));
-  dp.d_v.data = up.alloc(std::size_t(B * Hk * Lk * Dv) * sizeof(float));
+  dp.d_q.data = up.alloc("dq", std::size_t(B * Hq * Lq * D) * sizeof(float));
+  dp.d_k.data = up.alloc("dk", std::size_t(B * Hk * Lk * D) * sizeof(float));
+  dp.d_v.data = up.alloc("dv", std::size_t(B * Hk * Lk * Dv) * sizeof(float));
   dp.workspace_bytes = workspace_bytes(dp);
-  dp.workspace = up.alloc(dp.workspace_bytes);
+  dp.workspace = up.alloc("workspace", dp.workspace_bytes);
 
   // The mask as the kernels see it: the block mask's device copy (dense strides), kv_len in
   // device memory (set from dp.forward).

@@ -213,17 +213,18 @@ host_choice host_input(input_dtype dtype, kernel_choice kernel, bool tensor_core
   return c;
 }
 
-void* host_upload::alloc(std::size_t bytes) {
-  keep_.emplace_back(bytes);
+void* host_upload::alloc(const char* field, std::size_t bytes) {
+  keep_.emplace_back(field, bytes);
   return keep_.back().get();
 }
 
-void* host_upload::tensor(const std::vector<float>& packed, input_dtype as, cudaStream_t stream) {
-  float* d32 = static_cast<float*>(alloc(packed.size() * sizeof(float)));
+void* host_upload::tensor(const char* field, const std::vector<float>& packed, input_dtype as,
+                          cudaStream_t stream) {
+  float* d32 = static_cast<float*>(alloc(field, packed.size() * sizeof(float)));
   check(cudaMemcpy(d32, packed.data(), packed.size() * sizeof(float), cudaMemcpyHostToDevice),
         "cudaMemcpy (inputs)");
   if (as == input_dtype::float32) return d32;
-  void* converted = alloc(packed.size() * elem_bytes(as));
+  void* converted = alloc(field, packed.size() * elem_bytes(as));
   check(detail::launch_convert(d32, converted, std::int64_t(packed.size()), to_elem(as), stream),
         "conversion kernel launch");
   return converted;
@@ -232,7 +233,7 @@ void* host_upload::tensor(const std::vector<float>& packed, input_dtype as, cuda
 void host_upload::masks(const attention_problem& p, device_problem& dp) {
   if (p.has_block_mask()) {
     const std::vector<std::uint8_t> bm = pack(p.block_mask);
-    void* d = alloc(bm.size());
+    void* d = alloc("block_mask", bm.size());
     check(cudaMemcpy(d, bm.data(), bm.size(), cudaMemcpyHostToDevice), "cudaMemcpy (block_mask)");
     dp.block_mask = {static_cast<const std::uint8_t*>(d), p.block_mask.shape,
                      dense_strides<4>(p.block_mask.shape)};
@@ -241,7 +242,7 @@ void host_upload::masks(const attention_problem& p, device_problem& dp) {
   }
   if (p.kv_len != nullptr) {
     const std::size_t bytes = std::size_t(p.batch()) * sizeof(std::int32_t);
-    void* d = alloc(bytes);
+    void* d = alloc("kv_len", bytes);
     check(cudaMemcpy(d, p.kv_len, bytes, cudaMemcpyHostToDevice), "cudaMemcpy (kv_len)");
     dp.kv_len = static_cast<const std::int32_t*>(d);
   }

@@ -27,10 +27,19 @@ elem to_elem(input_dtype t);
 std::size_t elem_bytes(input_dtype t);
 
 // Owns one device allocation.
+// Out of memory is a problem_error naming the field, and leaves no error pending for the next
+// launch check.
 class device_buffer {
  public:
-  explicit device_buffer(std::size_t bytes) {
-    check(cudaMalloc(&ptr_, bytes == 0 ? 1 : bytes), "cudaMalloc");
+  device_buffer(const char* field, std::size_t bytes) {
+    const cudaError_t e = cudaMalloc(&ptr_, bytes == 0 ? 1 : bytes);
+    if (e != cudaSuccess) {
+      (void)cudaGetLastError();
+      ptr_ = nullptr;
+      throw problem_error(std::string(field) + ": expected " + std::to_string(bytes) +
+                          " bytes of device memory, got " + cudaGetErrorName(e) + " (" +
+                          cudaGetErrorString(e) + ")");
+    }
   }
   ~device_buffer() { cudaFree(ptr_); }
   device_buffer(const device_buffer&) = delete;
@@ -135,12 +144,13 @@ host_choice host_input(input_dtype dtype, kernel_choice kernel, bool tensor_core
 class host_upload {
  public:
   // Uploads a packed tensor; returns its device copy in element type `as`.
-  void* tensor(const std::vector<float>& packed, input_dtype as, cudaStream_t stream);
+  void* tensor(const char* field, const std::vector<float>& packed, input_dtype as,
+               cudaStream_t stream);
   // Sets dp's mask fields (block mask with dense strides, kv_len, causal, window, scale) from
   // p's.
   void masks(const attention_problem& p, device_problem& dp);
   // An uninitialised device allocation, kept alive with the rest.
-  void* alloc(std::size_t bytes);
+  void* alloc(const char* field, std::size_t bytes);
 
  private:
   std::vector<device_buffer> keep_;

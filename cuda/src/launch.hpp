@@ -24,6 +24,11 @@ struct kernel_params {
   float scale;
   elem out;        // f32, or the input element type
   mask_spec mask;  // block_mask and kv_len point to device memory
+  // The SIMT kernel's gate: null, it runs; else it runs only when one of the run_if_count
+  // flags (launch_nonfinite_scan's, one per scan block) is non-zero, and returns at once
+  // otherwise. The other kernels ignore it.
+  const std::uint32_t* run_if = nullptr;
+  std::int64_t run_if_count = 0;
 };
 
 // Tensor-core kernels: input bf16 or f16, head_dim == head_dim_v in {64, 128}, unit stride in
@@ -34,9 +39,18 @@ cudaError_t launch_tensor_core(const kernel_params& p, elem input, cudaStream_t 
 // launch_tensor_core, on a device of compute capability 9.0 only.
 cudaError_t launch_hopper(const kernel_params& p, elem input, cudaStream_t stream);
 
-// The float32-accumulating SIMT kernel: any strides, head dims up to kSimtMaxHeadDim.
+// The float32-accumulating SIMT kernel: any strides, head dims up to kSimtMaxHeadDim. Gated
+// (p.run_if set), it runs on a grid of one wave whose blocks walk the query tiles, so that the
+// launch costs one wave of early returns when the gate is closed.
 inline constexpr std::int64_t kSimtMaxHeadDim = 256;
 cudaError_t launch_simt(const kernel_params& p, elem input, cudaStream_t stream);
+
+// The scan of V for NaN and inf: V (p.v, p.v_stride) in bf16 or f16 with the tensor-core
+// layout (unit stride along Dv, Dv a multiple of 8, 16-byte aligned rows). Block k of the grid
+// writes flags[k] = 1 when it found a non-finite element, else 0; every flag is written.
+dim3 nonfinite_scan_grid(const kernel_params& p, int sm_count);
+cudaError_t launch_nonfinite_scan(const kernel_params& p, elem input, dim3 grid,
+                                  std::uint32_t* flags, cudaStream_t stream);
 
 // dst[i] = (bf16 or f16) src[i] on the device.
 cudaError_t launch_convert(const float* src, void* dst, std::int64_t n, elem to,

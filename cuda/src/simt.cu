@@ -8,6 +8,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "common.cuh"
@@ -35,9 +37,10 @@ std::size_t simt_smem_bytes(std::int64_t d, std::int64_t dv) {
                                      kTileQ * (kTileK + 1));
 }
 
+// Query rows [q0, q0 + kTileQ) of head h, batch b. Every thread of the block calls it.
 template <class T>
-__global__ void __launch_bounds__(kThreads) simt_kernel(const kernel_params p) {
-  extern __shared__ float s_mem[];
+__device__ void simt_tile(const kernel_params& p, float* s_mem, std::int64_t q0, std::int64_t h,
+                          std::int64_t b) {
   const simt_smem lay(p.head_dim, p.head_dim_v);
   float* sQ = s_mem;                       // (kTileQ, D)
   float* sK = sQ + kTileQ * lay.d_pitch;   // (kTileK, D)
@@ -46,8 +49,7 @@ __global__ void __launch_bounds__(kThreads) simt_kernel(const kernel_params p) {
 
   const int r = static_cast<int>(threadIdx.x) / kLanesPerRow;
   const int g = static_cast<int>(threadIdx.x) % kLanesPerRow;
-  const std::int64_t q0 = (std::int64_t(gridDim.x) - 1 - blockIdx.x) * kTileQ;
-  const std::int64_t h = blockIdx.y, b = blockIdx.z, hk = h / p.group;
+  const std::int64_t hk = h / p.group;
   const std::int64_t q1 = q0 + kTileQ < p.len_q ? q0 + kTileQ : p.len_q;
   const std::int64_t i = q0 + r;
   const std::int64_t D = p.head_dim, Dv = p.head_dim_v;
@@ -142,14 +144,76 @@ __global__ void __launch_bounds__(kThreads) simt_kernel(const kernel_params p) {
   }
 }
 
+// Is one of the gate's flags set? Every thread of the block gets the answer.
+__device__ bool gate_open(const std::uint32_t* flags, std::int64_t count) {
+  bool any = false;
+  for (std::int64_t k = threadIdx.x; k < count; k += kThreads)
+    any = any || flags[k] != 0;
+  return __syncthreads_or(any) != 0;
+}
+
+// Block n takes the work items n, n + gridDim.x, ...; item (b, h, tile) in that order of
+// significance, the tiles of a head heaviest first (under a causal mask the last query tiles
+// see the most keys). Ungated, the grid has one block per item.
+template <class T>
+__global__ void __launch_bounds__(kThreads) simt_kernel(const kernel_params p) {
+  extern __shared__ float s_mem[];
+  if (p.run_if != nullptr && !gate_open(p.run_if, p.run_if_count)) return;
+  const std::int64_t tiles = (p.len_q + kTileQ - 1) / kTileQ;
+  const std::int64_t items = tiles * p.heads_q * p.batch;
+  for (std::int64_t item = blockIdx.x; item < items; item += gridDim.x) {
+    const std::int64_t tile = tiles - 1 - item % tiles;
+    const std::int64_t h = item / tiles % p.heads_q, b = item / (tiles * p.heads_q);
+    simt_tile<T>(p, s_mem, tile * kTileQ, h, b);
+  }
+}
+
+// The blocks of `kernel` that the current device holds at once, remembered per device and
+// shared-memory size (the gated launch asks on every call).
+template <class T>
+cudaError_t one_wave(std::size_t smem_bytes, std::int64_t* wave) {
+  constexpr int kDevices = 64;
+  constexpr int kDims = int(kSimtMaxHeadDim) + 1;
+  static std::atomic<std::int64_t> cache[kDevices][kDims];  // (smem bytes << 32) | wave; 0 unknown
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  const std::size_t slot = (smem_bytes / sizeof(float)) % kDims;
+  std::atomic<std::int64_t>* cached = device < kDevices ? &cache[device][slot] : nullptr;
+  if (cached != nullptr) {
+    const std::int64_t known = cached->load(std::memory_order_relaxed);
+    if (known > 0 && known >> 32 == std::int64_t(smem_bytes)) {
+      *wave = known & 0xffffffff;
+      return cudaSuccess;
+    }
+  }
+  int sms = 0, per_sm = 0;
+  e = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (e == cudaSuccess) {
+    e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, simt_kernel<T>, kThreads,
+                                                      smem_bytes);
+  }
+  if (e != cudaSuccess) return e;
+  *wave = std::int64_t(sms) * std::max(per_sm, 1);
+  if (cached != nullptr) cached->store(std::int64_t(smem_bytes) << 32 | *wave);
+  return cudaSuccess;
+}
+
 template <class T>
 cudaError_t launch(const kernel_params& p, cudaStream_t stream) {
   const std::size_t smem_bytes = simt_smem_bytes(p.head_dim, p.head_dim_v);
   cudaError_t e = cudaFuncSetAttribute(simt_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                        static_cast<int>(smem_bytes));
   if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>((p.len_q + kTileQ - 1) / kTileQ),
-                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
+  constexpr std::int64_t kMaxGridX = 2147483647;
+  std::int64_t blocks = (p.len_q + kTileQ - 1) / kTileQ * p.heads_q * p.batch;
+  if (p.run_if != nullptr) {  // one wave
+    std::int64_t wave = 0;
+    e = one_wave<T>(smem_bytes, &wave);
+    if (e != cudaSuccess) return e;
+    blocks = std::min(blocks, wave);
+  }
+  const unsigned grid = static_cast<unsigned>(std::min(blocks, kMaxGridX));
   simt_kernel<T><<<grid, kThreads, smem_bytes, stream>>>(p);
   return cudaGetLastError();
 }

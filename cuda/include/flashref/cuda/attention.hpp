@@ -78,17 +78,36 @@ struct device_problem {
   const std::int32_t* kv_len = nullptr;
 
   kernel_choice kernel = kernel_choice::automatic;
+
+  // true: the caller promises that V holds no NaN or inf, and the scan of V is left out (a
+  // broken promise may put NaN in rows that do not see the key; SPEC §2, cuda/NOTES.md).
+  bool v_finite = false;
 };
 
-// Device entry: validates shapes on the host, then enqueues the kernel on `stream`. It does not
-// synchronize; errors of the launch itself are thrown.
+// Device entry: validates shapes and pointers on the host (check_device_memory), then enqueues
+// the kernel on `stream`. It does not synchronize; errors of the launch itself are thrown.
+// o must not overlap q, k, v.
 //
 // The kernel is chosen by p.kernel and the table above kernel_choice; bfloat16 / float16
-// problems no tensor-core kernel takes run on the float32-accumulating SIMT kernel.
+// problems no tensor-core kernel takes run on the float32-accumulating SIMT kernel. SPEC §2's
+// rule for NaN and inf in V holds on every kernel: after a tensor-core kernel, a scan of V on
+// the same stream (unless p.v_finite) lets the SIMT kernel recompute the problem when V holds
+// one, with no host synchronization.
 void attention(const device_problem& p, cudaStream_t stream);
 
-// Which kernel attention(p, stream) would run: "hopper", "tensor_core" or "simt". Throws like
-// attention.
+// The pointer checks of attention(p, stream), alone; each failure is a problem_error naming the
+// field. Every non-null pointer of a view with elements must be memory the current device
+// reads at that address: device memory of the current device, managed memory, or page-locked
+// host memory mapped at the same address (cudaMallocHost, cudaHostRegister). Pageable host
+// memory is refused even where the device could read it (HMM, ATS): a host pointer and a
+// wild one look the same. Where the driver knows the allocation (device and managed memory),
+// the view's bytes must lie inside it; chunks mapped side by side through the virtual memory
+// management API count as one allocation.
+void check_device_memory(const device_problem& p);
+
+// Which kernel attention(p, stream) would run: "hopper", "tensor_core" or "simt" (for a V
+// without NaN or inf; with one, the SIMT kernel's result replaces a tensor-core kernel's).
+// Throws like attention, the pointer checks aside.
 const char* kernel_for(const device_problem& p);
 
 }  // namespace flashref::cuda
