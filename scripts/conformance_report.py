@@ -182,7 +182,9 @@ def sdpa_cudnn(c, dtype):
 _flex_compiled = None
 
 
-def flex(c, dtype, compiled):
+def flex_call(c, compiled):
+    """FlexAttention, eager or compiled, with a BlockMask from the case's visibility: a
+    function of (q, k, v) returning (O, LSE), for the forward and for autograd alike."""
     global _flex_compiled
     import torch
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -191,7 +193,6 @@ def flex(c, dtype, compiled):
         if _flex_compiled is None:
             _flex_compiled = torch.compile(flex_attention)
         fn = _flex_compiled
-    q, k, v = tensors(c, "cuda", dtype)
     vis = torch.from_numpy(c["vis"]).cuda()
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -199,9 +200,16 @@ def flex(c, dtype, compiled):
 
     bm = create_block_mask(mask_mod, c["B"], c["Hq"], c["Lq"], c["Lk"], device="cuda",
                            _compile=compiled)
-    o, lse = fn(q, k, v, block_mask=bm, scale=c["scale"], enable_gqa=c["Hq"] != c["Hk"],
-                return_lse=True)
-    return o, lse
+
+    def call(q, k, v):
+        return fn(q, k, v, block_mask=bm, scale=c["scale"], enable_gqa=c["Hq"] != c["Hk"],
+                  return_lse=True)
+    return call
+
+
+def flex(c, dtype, compiled):
+    q, k, v = tensors(c, "cuda", dtype)
+    return flex_call(c, compiled)(q, k, v)
 
 
 def sdpa_cpu(c, dtype):
@@ -281,26 +289,7 @@ def sdpa_grad(backend_name):
 
 def flex_grad(compiled):
     def run(c, dtype, d_o):
-        global _flex_compiled
-        import torch
-        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-        fn = flex_attention
-        if compiled:
-            if _flex_compiled is None:
-                _flex_compiled = torch.compile(flex_attention)
-            fn = _flex_compiled
-        vis = torch.from_numpy(c["vis"]).cuda()
-
-        def mask_mod(b, h, q_idx, kv_idx):
-            return vis[b, h, q_idx, kv_idx]
-
-        bm = create_block_mask(mask_mod, c["B"], c["Hq"], c["Lq"], c["Lk"], device="cuda",
-                               _compile=compiled)
-
-        def forward(q, k, v):
-            return fn(q, k, v, block_mask=bm, scale=c["scale"], enable_gqa=c["Hq"] != c["Hk"],
-                      return_lse=True)
-        return autograd(c, dtype, d_o, forward)
+        return autograd(c, dtype, d_o, flex_call(c, compiled))
     return run
 
 
