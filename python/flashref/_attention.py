@@ -288,18 +288,31 @@ def attention_backward(
     do : array_like
         The upstream gradient, shaped as ``o``.
     backend : {"auto", "reference", "cpu", "cuda"}
-        ``"auto"`` picks the first available backend with a backward pass.
+        ``"auto"`` runs CUDA tensors on the CUDA backend (the only one that takes device
+        memory) and host memory on the first available backend with a backward pass.
 
     Returns
     -------
     dq, dk, dv : same kind as q
-        Shaped as q, k and v; float32 (float64 for float64 inputs on the reference backend).
+        Shaped as q, k and v: numpy arrays for numpy inputs, torch tensors on q's device for
+        torch inputs (on a CUDA device: computed on the current CUDA stream, every input read
+        in place). dtype: q's for CUDA tensors (float32, bfloat16 or float16, as O of
+        :func:`attention`), else float32 (float64 for float64 inputs on the reference
+        backend).
+
+    Notes
+    -----
+    On CUDA tensors, o and do may be float32 or q's dtype, lse is float32. bfloat16 and
+    float16 inputs with D = Dv in {64, 128}, unit stride along D and 16-byte rows run the
+    tensor-core backward when do has q's dtype, others the float32-arithmetic SIMT kernel.
+    The device entry does not scan its inputs for NaN or inf (the host entry does); see
+    docs/backends.md.
 
     Raises
     ------
     ValueError, TypeError
-        As :func:`attention`; also for a backend without a backward pass, and for tensors in
-        device memory (no backend has a backward pass there yet).
+        As :func:`attention`; also for a backend without a backward pass, and for a device
+        tensor on a host backend (``backend="cpu"`` or ``"reference"``).
     """
     causal_s, left, right, block_q, block_k, backend_s, blhd = _options(
         causal, window, block_mask, block_size, backend, layout
@@ -313,7 +326,7 @@ def attention_backward(
             kv_len = np.asarray(kv_len, dtype=np.int32)
         _core.attention_backward_into(
             q, k, v, o, lse, do, dq, dk, dv, scale, causal_s, left, right, block_mask, block_q,
-            block_k, kv_len, backend_s, blhd,
+            block_k, kv_len, backend_s, blhd, 0,
         )
         return dq, dk, dv
     if _is_torch(q):
@@ -329,15 +342,22 @@ def _attention_backward_torch(q, k, v, o, lse, do, scale, causal_s, left, right,
     import torch
 
     dtype = _torch_dtypes(q, backend_s)[0]
-    dq, dk, dv = (torch.empty(x.shape, dtype=dtype, device=x.device) for x in (q, k, v))
+    device = q.device
+    dq, dk, dv = (torch.empty(x.shape, dtype=dtype, device=device) for x in (q, k, v))
     if block_mask is not None:
-        block_mask = torch.as_tensor(block_mask, device=q.device)
+        block_mask = torch.as_tensor(block_mask, device=device)
     if kv_len is not None:
-        kv_len = torch.as_tensor(kv_len, dtype=torch.int32, device=q.device)
-    _core.attention_backward_into(
-        q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(), do.detach(), dq, dk, dv,
-        scale, causal_s, left, right, block_mask, block_q, block_k, kv_len, backend_s, blhd,
-    )
+        kv_len = torch.as_tensor(kv_len, dtype=torch.int32, device=device)
+    args = (q.detach(), k.detach(), v.detach(), o.detach(), None if lse is None else lse.detach(),
+            do.detach(), dq, dk, dv, scale, causal_s, left, right, block_mask, block_q, block_k,
+            kv_len, backend_s, blhd)
+    if device.type == "cuda":
+        # The device entry, in place, on the caller's current stream of q's device.
+        stream = torch.cuda.current_stream(device).cuda_stream
+        with torch.cuda.device(device):
+            _core.attention_backward_into(*args, stream)
+    else:
+        _core.attention_backward_into(*args, 0)
     return dq, dk, dv
 
 

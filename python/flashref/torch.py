@@ -4,7 +4,9 @@
 and goes through a ``torch.library`` custom op with a fake (meta) implementation, so that a
 compiled model keeps it as one opaque call. Its gradient is the library's backward pass
 (``torch.ops.flashref.attention_backward``, a custom op too): autograd and ``torch.compile``
-training both go through it. LSE is returned as a non-differentiable output.
+training both go through it, on CPU tensors (the CPU or reference backend) and on CUDA tensors
+(the CUDA backward's device entry, in place, on the current stream; the gradients in the
+inputs' dtype). LSE is returned as a non-differentiable output.
 """
 
 from typing import Optional, Tuple

@@ -29,6 +29,7 @@
 
 #if defined(FLASHREF_HAVE_CUDA)
 #include "flashref/cuda/attention.hpp"
+#include "flashref/cuda/backward.hpp"
 #endif
 
 namespace nb = nanobind;
@@ -348,10 +349,20 @@ void reference64(const call& c) {
   }
 }
 
-#if defined(FLASHREF_HAVE_CUDA)
-// Device memory: the CUDA backend's device entry on the caller's stream.
-void run_device(const call& c, std::uintptr_t stream) {
-  cuda::device_problem p;
+// The element types of a call on device memory: q, k, v one of float32, bfloat16, float16; o
+// float32 or q's; lse float32. Checked before anything reaches the device (TypeError naming
+// the field).
+struct device_dtypes {
+  input_dtype in;  // q, k, v
+  input_dtype o;
+};
+
+// "float32 or <in>", for the outputs and gradients that take either.
+std::string float32_or(input_dtype in) {
+  return in == input_dtype::float32 ? "float32" : std::string("float32 or ") + to_string(in);
+}
+
+device_dtypes expect_device_dtypes(const call& c) {
   const std::optional<input_dtype> in = as_input_dtype(c.q.dtype());
   if (!in)
     throw type_error("q: expected dtype float32, bfloat16 or float16, got " +
@@ -363,23 +374,34 @@ void run_device(const call& c, std::uintptr_t stream) {
   }
   const std::optional<input_dtype> out = as_input_dtype(c.o.dtype());
   if (out != input_dtype::float32 && out != in)
-    throw type_error(std::string("o: expected dtype float32 or ") + to_string(*in) + ", got " +
-                     dtype_name(c.o.dtype()));
-  p.q = {const_cast<void*>(c.q.data()), *in};
-  p.k = {const_cast<void*>(c.k.data()), *in};
-  p.v = {const_cast<void*>(c.v.data()), *in};
-  p.o = {const_cast<void*>(c.o.data()), *out};
+    throw type_error("o: expected dtype " + float32_or(*in) + ", got " + dtype_name(c.o.dtype()));
+  if (c.lse && !is_float32(c.lse->dtype()))
+    throw type_error("lse: expected dtype float32, got " + dtype_name(c.lse->dtype()));
+  return {*in, *out};
+}
+
+#if defined(FLASHREF_HAVE_CUDA)
+// The forward's tensors and masks of a call as the device entry's problem, in place.
+void fill_device_problem(cuda::device_problem& p, const call& c, const device_dtypes& t) {
+  p.q = {const_cast<void*>(c.q.data()), t.in};
+  p.k = {const_cast<void*>(c.k.data()), t.in};
+  p.v = {const_cast<void*>(c.v.data()), t.in};
+  p.o = {const_cast<void*>(c.o.data()), t.o};
   view4(p.q, c.q, c.blhd);
   view4(p.k, c.k, c.blhd);
   view4(p.v, c.v, c.blhd);
   view4(p.o, c.o, c.blhd);
   if (c.lse) {
-    if (!is_float32(c.lse->dtype()))
-      throw type_error("lse: expected dtype float32, got " + dtype_name(c.lse->dtype()));
     p.lse = {const_cast<void*>(c.lse->data()), input_dtype::float32};
     view_n(p.lse, *c.lse);
   }
   attach_masks(p, c);
+}
+
+// Device memory: the CUDA backend's device entry on the caller's stream.
+void run_device(const call& c, const device_dtypes& t, std::uintptr_t stream) {
+  cuda::device_problem p;
+  fill_device_problem(p, c, t);
   nb::gil_scoped_release unlocked;
   cuda::attention(p, reinterpret_cast<cudaStream_t>(stream));
 }
@@ -395,6 +417,17 @@ void expect_call(const call& c) {
   if (c.lse) expect_ndim("lse", *c.lse, 3, "(B, H, Lq)");
   expect_same_device(c);
   expect_masks(c);
+}
+
+// q in CUDA memory, for a backend that takes device memory (TypeError otherwise).
+void expect_device_backend(const array& q, backend chosen) {
+  if (q.device_type() != kCuda)
+    throw type_error("q: expected host or CUDA memory, got " + device_name(q));
+  if (chosen != backend::cuda && chosen != backend::automatic) {
+    throw type_error(std::string("q: expected host memory for backend ") + to_string(chosen) +
+                     ", got " + device_name(q) +
+                     " (device memory: " + takers(input_dtype::float32, true) + ")");
+  }
 }
 
 // The call of an entry (forward, backward, timing) from its arguments, with the checks every
@@ -439,18 +472,14 @@ const char* attention_into(const array& q, const array& k, const array& v, const
     return to_string(backend::reference);
   }
   if (q.device_type() == kHost) return to_string(run_host(c, resolve(chosen)));
-  if (q.device_type() != kCuda)
-    throw type_error("q: expected host or CUDA memory, got " + device_name(q));
-  if (chosen != backend::cuda && chosen != backend::automatic) {
-    throw type_error(std::string("q: expected host memory for backend ") + to_string(chosen) +
-                     ", got " + device_name(q) +
-                     " (device memory: " + takers(input_dtype::float32, true) + ")");
-  }
+  expect_device_backend(q, chosen);
+  const device_dtypes t = expect_device_dtypes(c);
 #if defined(FLASHREF_HAVE_CUDA)
   resolve(backend::cuda);  // built and a device present, or the reason why not
-  run_device(c, stream);
+  run_device(c, t, stream);
   return to_string(backend::cuda);
 #else
+  (void)t;
   (void)stream;
   resolve(backend::cuda);  // throws: names why the CUDA backend is unavailable
   return to_string(backend::cuda);
@@ -493,6 +522,84 @@ void reference64_backward(const call& c, const grads_call& g) {
   widen_into("dv", gold.dv, g.dv, c.blhd);
 }
 
+// The element types of a backward's own tensors on device memory: do float32 or q's dtype;
+// dq, dk, dv one dtype, float32 or q's (TypeError naming the field).
+struct device_gradient_dtypes {
+  input_dtype d_o;
+  input_dtype grads;  // dq, dk, dv
+};
+
+device_gradient_dtypes expect_device_gradient_dtypes(const grads_call& g, input_dtype in) {
+  const auto float32_or_in = [&](const char* field, const array& a) {
+    const std::optional<input_dtype> t = as_input_dtype(a.dtype());
+    if (t != input_dtype::float32 && t != in)
+      throw type_error(std::string(field) + ": expected dtype " + float32_or(in) +
+                       " (the dtype of q), got " + dtype_name(a.dtype()));
+    return *t;
+  };
+  const input_dtype d_o = float32_or_in("do", g.d_o);
+  const input_dtype grads = float32_or_in("dq", g.dq);
+  for (const auto& [field, a] : {std::pair{"dk", &g.dk}, std::pair{"dv", &g.dv}}) {
+    if (as_input_dtype(a->dtype()) != grads)
+      throw type_error(std::string(field) + ": expected dtype " + to_string(grads) +
+                       " (the dtype of dq), got " + dtype_name(a->dtype()));
+  }
+  return {d_o, grads};
+}
+
+// The library's shape rules of the backward (validate_backward, with its messages) on a call
+// over device memory, applied on the host before the device is touched: the views carry the
+// caller's pointers, never dereferenced here; kv_len, whose values live in device memory, is
+// left out (its shape is checked).
+void validate_device_backward(const call& c, const grads_call& g) {
+  attention_problem p;
+  p.q.data = static_cast<const float*>(c.q.data());
+  p.k.data = static_cast<const float*>(c.k.data());
+  p.v.data = static_cast<const float*>(c.v.data());
+  p.o.data = static_cast<float*>(const_cast<void*>(c.o.data()));
+  view4(p.q, c.q, c.blhd);
+  view4(p.k, c.k, c.blhd);
+  view4(p.v, c.v, c.blhd);
+  view4(p.o, c.o, c.blhd);
+  if (c.lse) {
+    p.lse.data = static_cast<float*>(const_cast<void*>(c.lse->data()));
+    view_n(p.lse, *c.lse);
+  }
+  attach_masks(p, c);
+  p.kv_len = nullptr;
+  attention_gradients shapes;
+  shapes.d_o.data = static_cast<const float*>(g.d_o.data());
+  shapes.dq.data = static_cast<float*>(const_cast<void*>(g.dq.data()));
+  shapes.dk.data = static_cast<float*>(const_cast<void*>(g.dk.data()));
+  shapes.dv.data = static_cast<float*>(const_cast<void*>(g.dv.data()));
+  view4(shapes.d_o, g.d_o, c.blhd);
+  view4(shapes.dq, g.dq, c.blhd);
+  view4(shapes.dk, g.dk, c.blhd);
+  view4(shapes.dv, g.dv, c.blhd);
+  validate_backward(p, shapes);
+}
+
+#if defined(FLASHREF_HAVE_CUDA)
+// Device memory: the CUDA backward's device entry on the caller's stream, over the caller's
+// tensors in place. Its workspace (Delta, B·Hq·Lq floats) is allocated and freed on that
+// stream by the entry (cudaMallocAsync).
+void run_device_backward(const call& c, const grads_call& g, const device_dtypes& t,
+                         const device_gradient_dtypes& gt, std::uintptr_t stream) {
+  cuda::device_backward_problem p;
+  fill_device_problem(p.forward, c, t);
+  p.d_o = {const_cast<void*>(g.d_o.data()), gt.d_o};
+  p.d_q = {const_cast<void*>(g.dq.data()), gt.grads};
+  p.d_k = {const_cast<void*>(g.dk.data()), gt.grads};
+  p.d_v = {const_cast<void*>(g.dv.data()), gt.grads};
+  view4(p.d_o, g.d_o, c.blhd);
+  view4(p.d_q, g.dq, c.blhd);
+  view4(p.d_k, g.dk, c.blhd);
+  view4(p.d_v, g.dv, c.blhd);
+  nb::gil_scoped_release unlocked;
+  cuda::attention_backward(p, reinterpret_cast<cudaStream_t>(stream));
+}
+#endif
+
 // attention_backward(q, k, v, o, lse, do, dq, dk, dv, ...) -> the name of the backend that ran.
 const char* attention_backward_into(const array& q, const array& k, const array& v, const array& o,
                                     const std::optional<array>& lse, const array& d_o,
@@ -501,15 +608,27 @@ const char* attention_backward_into(const array& q, const array& k, const array&
                                     std::int64_t window_left, std::int64_t window_right,
                                     const std::optional<array>& block_mask, std::int64_t block_q,
                                     std::int64_t block_k, const std::optional<array>& kv_len,
-                                    const std::string& backend_name, bool blhd) {
+                                    const std::string& backend_name, bool blhd,
+                                    std::uintptr_t stream) {
   const call c = checked_call(q, k, v, o, lse, scale, causal, window_left, window_right, block_mask,
                               block_q, block_k, kv_len, blhd);
   const grads_call g{d_o, dq, dk, dv};
   expect_grads(c, g);
   const backend chosen = parse_backend(backend_name);
   if (q.device_type() != kHost) {
-    throw type_error("q: expected host memory for the backward, got " + device_name(q) +
-                     " (no backend has a backward pass on device memory yet)");
+    expect_device_backend(q, chosen);
+    const device_dtypes t = expect_device_dtypes(c);
+    const device_gradient_dtypes gt = expect_device_gradient_dtypes(g, t.in);
+    validate_device_backward(c, g);
+#if defined(FLASHREF_HAVE_CUDA)
+    resolve(backend::cuda);  // built and a device present, or the reason why not
+    run_device_backward(c, g, t, gt, stream);
+#else
+    (void)gt;
+    (void)stream;
+    resolve(backend::cuda);  // throws: names why the CUDA backend is unavailable
+#endif
+    return to_string(backend::cuda);
   }
   if (chosen == backend::reference && is(q.dtype(), nb::dlpack::dtype_code::Float, 64)) {
     reference64_backward(c, g);
@@ -747,7 +866,7 @@ NB_MODULE(_core, m) {
         nb::arg("dk"), nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("block_mask").none(),
         nb::arg("block_q"), nb::arg("block_k"), nb::arg("kv_len").none(), nb::arg("backend"),
-        nb::arg("blhd"));
+        nb::arg("blhd"), nb::arg("stream"));
   m.def("entry_seconds", &entry_seconds, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
         nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("block_mask").none(), nb::arg("block_q"),

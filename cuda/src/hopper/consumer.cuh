@@ -100,8 +100,8 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
   int it = 0;
   {
     mbar_wait(&bar.k_full[0], 0);
-    const stage_info info = bar.info[0];  // written before the barrier's arrival
-    if (info.tile == kNoMoreTiles) {      // no visible key: (0, -inf) without waiting for Q
+    const stage_info info = read_stage_info(bar.info[0]);  // written before the arrival
+    if (info.tile == kNoMoreTiles) {  // no visible key: (0, -inf) without waiting for Q
       store_rows<T>(p, w, at, rO, softmax);
       return;
     }
@@ -123,7 +123,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     const unsigned parity = (it / t::kStages) & 1, prev_parity = ((it - 1) / t::kStages) & 1;
     mbar_wait(&bar.v_full[prev], prev_parity);
     mbar_wait(&bar.k_full[s], parity);
-    const stage_info info = bar.info[s];
+    const stage_info info = read_stage_info(bar.info[s]);
     if (info.tile == kNoMoreTiles) break;
 
     // S_j = Q K_j^T, then O += P_{j-1} V_{j-1} behind it; wait for S_j alone.
@@ -177,7 +177,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
     const int s = it % t::kStages;
     const unsigned parity = (it / t::kStages) & 1;
     mbar_wait(&bar.k_full[s], parity);
-    const stage_info info = bar.info[s];  // written before the barrier's arrival
+    const stage_info info = read_stage_info(bar.info[s]);  // written before the arrival
     if (info.tile == kNoMoreTiles) break;
     if (!q_ready) {
       mbar_wait(&bar.q_full, 0);

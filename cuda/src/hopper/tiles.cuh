@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "../common.cuh"  // kFullWarp
 #include "sm90.cuh"
 
 namespace flashref::cuda::detail::sm90 {
@@ -54,6 +55,18 @@ struct stage_info {
   int full;  // 1: every (row, key) pair of the tile is visible, no element mask
 };
 inline constexpr int kNoMoreTiles = -1;
+
+// Stage s's descriptor as a consumer warp reads it: lane 0 loads it and hands it to the other
+// lanes. The load and the warp's later arrival on empty[s] (made by lane 0) are then in one
+// thread, ordered by program order and the barrier's release; the producer rewrites the slot
+// only after that barrier completes.
+__device__ __forceinline__ stage_info read_stage_info(const stage_info& slot) {
+  stage_info info{0, 0};
+  if ((threadIdx.x & 31) == 0) info = slot;
+  info.tile = __shfl_sync(kFullWarp, info.tile, 0);
+  info.full = __shfl_sync(kFullWarp, info.full, 0);
+  return info;
+}
 
 // The block's shared memory: tiles in the dynamic part (atom-aligned), barriers beside.
 template <int kD>
