@@ -151,6 +151,7 @@ const char* backward_kernel_for(const device_backward_problem& p) {
 
 void attention_backward(const device_backward_problem& p, cudaStream_t stream) {
   const kernel_kind kernel = validate_device_backward(p);
+  check_device_memory(p);  // before any launch
   const attention_problem shapes = shapes_of(p.forward);
   enqueue_backward(p, kernel, make_mask_spec(shapes), shapes.softmax_scale(), stream);
 }

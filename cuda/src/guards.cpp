@@ -17,6 +17,7 @@
 #include <string>
 
 #include "flashref/cuda/attention.hpp"
+#include "flashref/cuda/backward.hpp"
 #include "flashref/reference/problem.hpp"
 
 namespace flashref::cuda {
@@ -185,9 +186,7 @@ void check_tensor(const char* name, const device_tensor<R>& t, int device) {
   check_pointer(name, t.data, extent_of<R>(t.shape, t.stride, elem_bytes(t.dtype)), device);
 }
 
-}  // namespace
-
-void check_device_memory(const device_problem& p) {
+int current_device() {
   int device = 0;
   const cudaError_t e = cudaGetDevice(&device);
   if (e != cudaSuccess) {
@@ -195,6 +194,10 @@ void check_device_memory(const device_problem& p) {
     throw problem_error(std::string("device: expected a usable CUDA device, got ") +
                         cudaGetErrorName(e) + " (" + cudaGetErrorString(e) + ")");
   }
+  return device;
+}
+
+void check_forward_memory(const device_problem& p, int device) {
   check_tensor("q", p.q, device);
   check_tensor("k", p.k, device);
   check_tensor("v", p.v, device);
@@ -208,6 +211,25 @@ void check_device_memory(const device_problem& p) {
     const std::int64_t B = p.q.shape[0];
     check_pointer("kv_len", p.kv_len,
                   B > 0 ? std::optional<byte_extent>(byte_extent{0, B * 4}) : std::nullopt, device);
+  }
+}
+
+}  // namespace
+
+void check_device_memory(const device_problem& p) {
+  check_forward_memory(p, current_device());
+}
+
+void check_device_memory(const device_backward_problem& p) {
+  const int device = current_device();
+  check_forward_memory(p.forward, device);
+  check_tensor("d_o", p.d_o, device);
+  check_tensor("d_q", p.d_q, device);
+  check_tensor("d_k", p.d_k, device);
+  check_tensor("d_v", p.d_v, device);
+  if (p.workspace != nullptr && p.workspace_bytes > 0) {
+    check_pointer("workspace", p.workspace, byte_extent{0, std::int64_t(p.workspace_bytes)},
+                  device);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -20,6 +21,7 @@
 
 #include "../common/check.hpp"
 #include "flashref/cuda/attention.hpp"
+#include "flashref/cuda/backward.hpp"
 #include "flashref/flashref.hpp"
 
 using flashref::causal_mode;
@@ -313,6 +315,82 @@ TEST_CASE("cuda device entry: a pointer the device cannot read is refused, namin
   cuda_check(cudaGetLastError());
   const auto [o, lse] = dc.run();
   require_conforms(op, o, lse);
+}
+
+TEST_CASE(
+    "cuda backward device entry: a pointer the device cannot read is refused, naming the "
+    "field",
+    "[cuda][faults][backward]") {
+  const flashref::problem_data op = masked_problem(96, 64, 63);
+  device_copy dc(op);
+  dc.run();  // O and LSE for the backward
+  fc::device_backward_problem bp;
+  bp.forward = dc.dp;
+  // dO in bf16, the gradients in float32, each in its own device allocation.
+  // Filled with the byte 0x3f: every bf16 dO element is 0x3f3f (about 0.746).
+  const auto tensor_like = [&](const std::array<std::int64_t, 4>& shape, input_dtype t) {
+    const std::int64_t n = shape[0] * shape[1] * shape[2] * shape[3];
+    const std::size_t bytes = std::size_t(n) * (t == input_dtype::float32 ? 4 : 2);
+    dc.keep.emplace_back(bytes, memory::device);
+    cuda_check(cudaMemset(dc.keep.back().get(), 0x3f, bytes));
+    return fc::device_tensor<4>{dc.keep.back().get(),
+                                t,
+                                shape,
+                                {shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1}};
+  };
+  bp.d_o = tensor_like(dc.dp.o.shape, input_dtype::bfloat16);
+  bp.d_q = tensor_like(dc.dp.q.shape, input_dtype::float32);
+  bp.d_k = tensor_like(dc.dp.k.shape, input_dtype::float32);
+  bp.d_v = tensor_like(dc.dp.v.shape, input_dtype::float32);
+  bp.workspace_bytes = fc::backward_workspace_bytes(bp);
+  buffer workspace(bp.workspace_bytes, memory::device);
+  bp.workspace = workspace.get();
+  const fc::device_backward_problem good = bp;
+
+  std::vector<std::uint8_t> host(std::size_t(1) << 20);
+  using setter = void (*)(fc::device_backward_problem&, void*);
+  const std::vector<std::pair<const char*, setter>> fields{
+      {"q", [](fc::device_backward_problem& p, void* x) { p.forward.q.data = x; }},
+      {"o", [](fc::device_backward_problem& p, void* x) { p.forward.o.data = x; }},
+      {"lse", [](fc::device_backward_problem& p, void* x) { p.forward.lse.data = x; }},
+      {"kv_len", [](fc::device_backward_problem& p,
+                    void* x) { p.forward.kv_len = static_cast<std::int32_t*>(x); }},
+      {"d_o", [](fc::device_backward_problem& p, void* x) { p.d_o.data = x; }},
+      {"d_q", [](fc::device_backward_problem& p, void* x) { p.d_q.data = x; }},
+      {"d_k", [](fc::device_backward_problem& p, void* x) { p.d_k.data = x; }},
+      {"d_v", [](fc::device_backward_problem& p, void* x) { p.d_v.data = x; }},
+      {"workspace", [](fc::device_backward_problem& p, void* x) { p.workspace = x; }}};
+  for (const auto& [name, set] : fields) {
+    CAPTURE(name);
+    bp = good;
+    set(bp, host.data());
+    const std::string expected =
+        std::string(name) + ": expected a pointer to device memory, got a host pointer";
+    REQUIRE_THROWS_WITH(fc::attention_backward(bp, nullptr), expected);
+    REQUIRE_THROWS_WITH(fc::check_device_memory(bp), expected);
+  }
+  // A gradient view larger than its allocation, and a workspace smaller than it claims.
+  bp = good;
+  buffer half(std::size_t(bp.d_k.shape[0] * bp.d_k.shape[1] * bp.d_k.shape[2]) * 64 * 2,
+              memory::device);
+  bp.d_k.data = half.get();
+  REQUIRE_THROWS_WITH(fc::check_device_memory(bp), Catch::StartsWith("d_k: expected the view's"));
+  bp = good;
+  buffer small(16, memory::device);
+  bp.workspace = small.get();
+  REQUIRE_THROWS_WITH(fc::attention_backward(bp, nullptr),
+                      Catch::StartsWith("workspace: expected the view's"));
+
+  // Nothing was launched and no error is pending: the backward now runs, with finite gradients.
+  cuda_check(cudaGetLastError());
+  bp = good;
+  fc::attention_backward(bp, nullptr);
+  cuda_check(cudaDeviceSynchronize());
+  std::vector<float> dq(
+      std::size_t(bp.d_q.shape[0] * bp.d_q.shape[1] * bp.d_q.shape[2] * bp.d_q.shape[3]));
+  cuda_check(cudaMemcpy(dq.data(), bp.d_q.data, dq.size() * 4, cudaMemcpyDeviceToHost));
+  REQUIRE(std::all_of(dq.begin(), dq.end(), [](float x) { return std::isfinite(x); }));
+  REQUIRE(std::any_of(dq.begin(), dq.end(), [](float x) { return x != 0.0f; }));
 }
 
 TEST_CASE("cuda device entry: managed, pool and page-locked host memory are read in place",

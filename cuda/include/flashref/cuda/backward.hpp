@@ -53,9 +53,15 @@ struct device_backward_problem {
 // Scratch the backward needs: Delta = rowsum(dO ∘ O), B·Hq·Lq floats.
 std::size_t backward_workspace_bytes(const device_backward_problem& p);
 
-// Device entry: validates shapes and dtypes on the host, then enqueues the kernels on `stream`.
-// It does not synchronize; errors of the launches themselves are thrown.
+// Device entry: validates shapes, dtypes and pointers on the host (check_device_memory), then
+// enqueues the kernels on `stream`. It does not synchronize; errors of the launches themselves
+// are thrown.
 void attention_backward(const device_backward_problem& p, cudaStream_t stream);
+
+// The pointer checks of attention_backward(p, stream), alone, by the forward's rules
+// (check_device_memory(device_problem)): the forward's views, d_o, d_q, d_k, d_v, and the
+// workspace's workspace_bytes when one is given.
+void check_device_memory(const device_backward_problem& p);
 
 // Which kernel attention_backward(p, stream) would run: "tensor_core" or "simt". Throws like it.
 const char* backward_kernel_for(const device_backward_problem& p);
