@@ -50,7 +50,7 @@ struct tiles {
 };
 
 // What the producer tells the consumers about the key tile in a stage.
-struct stage_info {
+struct alignas(8) stage_info {
   int tile;  // key tile index, or kNoMoreTiles
   int full;  // 1: every (row, key) pair of the tile is visible, no element mask
 };
@@ -59,10 +59,17 @@ inline constexpr int kNoMoreTiles = -1;
 // Stage s's descriptor as a consumer warp reads it: lane 0 loads it and hands it to the other
 // lanes. The load and the warp's later arrival on empty[s] (made by lane 0) are then in one
 // thread, ordered by program order and the barrier's release; the producer rewrites the slot
-// only after that barrier completes.
+// only after that barrier completes. The load is inline PTX so that the compiler cannot
+// execute it on every lane and keep lane 0's value (a plain load it hoisted out of the branch:
+// harmless, but a read racecheck reports against the producer's next write).
 __device__ __forceinline__ stage_info read_stage_info(const stage_info& slot) {
   stage_info info{0, 0};
-  if ((threadIdx.x & 31) == 0) info = slot;
+  if ((threadIdx.x & 31) == 0) {
+    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n"
+                 : "=r"(info.tile), "=r"(info.full)
+                 : "r"(smem_addr(&slot))
+                 : "memory");
+  }
   info.tile = __shfl_sync(kFullWarp, info.tile, 0);
   info.full = __shfl_sync(kFullWarp, info.full, 0);
   return info;
