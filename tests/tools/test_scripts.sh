@@ -84,6 +84,14 @@ stub "$work/failing-pack/bin" test_cuda 1 "test cases: 3 | 1 failed"
 cp "$pack/bin/flashref" "$work/failing-pack/bin/flashref"
 expect "gpu-round: failing CUDA tests fail the round" 1 "tests: exit 1" \
   -- env PATH="$base_path" GPU_ROUND_STAGES="tests" "$round" "$work/out4" "$work/failing-pack"
+# A kernel that never returns: the run is stopped after GPU_TEST_TIMEOUT and the round fails.
+mkdir -p "$work/hanging-pack/bin"
+printf '#!/bin/sh\nexec sleep 60\n' >"$work/hanging-pack/bin/test_cuda"
+chmod +x "$work/hanging-pack/bin/test_cuda"
+cp "$pack/bin/flashref" "$work/hanging-pack/bin/flashref"
+expect "gpu-round: a hanging test run is stopped and fails the round" 1 "tests: exit 124" \
+  -- env PATH="$base_path" GPU_ROUND_STAGES="tests" GPU_TEST_TIMEOUT=1 "$round" "$work/out5" \
+  "$work/hanging-pack"
 
 gpu_pack=$root/scripts/gpu-pack
 expect "gpu-pack without arguments" 2 "usage: scripts/gpu-pack" -- "$gpu_pack"
