@@ -213,6 +213,21 @@ void attach_masks(Problem& p, const call& c) {
   }
 }
 
+// The call's q, k, v, o as the library's float views over the caller's pointers (data and
+// layout only: the dtype is the caller's to check, and a device pointer is never dereferenced).
+attention_problem tensor_views(const call& c) {
+  attention_problem p;
+  p.q.data = static_cast<const float*>(c.q.data());
+  p.k.data = static_cast<const float*>(c.k.data());
+  p.v.data = static_cast<const float*>(c.v.data());
+  p.o.data = static_cast<float*>(const_cast<void*>(c.o.data()));
+  view4(p.q, c.q, c.blhd);
+  view4(p.k, c.k, c.blhd);
+  view4(p.v, c.v, c.blhd);
+  view4(p.o, c.o, c.blhd);
+  return p;
+}
+
 // Host memory: the float32 problem of the umbrella, for any backend, over the caller's arrays.
 attention_problem host_problem(const call& c) {
   for (const auto& [field, a] :
@@ -228,15 +243,7 @@ attention_problem host_problem(const call& c) {
                               : ""));
     }
   }
-  attention_problem p;
-  p.q.data = static_cast<const float*>(c.q.data());
-  p.k.data = static_cast<const float*>(c.k.data());
-  p.v.data = static_cast<const float*>(c.v.data());
-  p.o.data = static_cast<float*>(const_cast<void*>(c.o.data()));
-  view4(p.q, c.q, c.blhd);
-  view4(p.k, c.k, c.blhd);
-  view4(p.v, c.v, c.blhd);
-  view4(p.o, c.o, c.blhd);
+  attention_problem p = tensor_views(c);
   if (c.lse) {
     if (!is_float32(c.lse->dtype()))
       throw type_error("lse: expected dtype float32, got " + dtype_name(c.lse->dtype()));
@@ -552,15 +559,7 @@ device_gradient_dtypes expect_device_gradient_dtypes(const grads_call& g, input_
 // caller's pointers, never dereferenced here; kv_len, whose values live in device memory, is
 // left out (its shape is checked).
 void validate_device_backward(const call& c, const grads_call& g) {
-  attention_problem p;
-  p.q.data = static_cast<const float*>(c.q.data());
-  p.k.data = static_cast<const float*>(c.k.data());
-  p.v.data = static_cast<const float*>(c.v.data());
-  p.o.data = static_cast<float*>(const_cast<void*>(c.o.data()));
-  view4(p.q, c.q, c.blhd);
-  view4(p.k, c.k, c.blhd);
-  view4(p.v, c.v, c.blhd);
-  view4(p.o, c.o, c.blhd);
+  attention_problem p = tensor_views(c);
   if (c.lse) {
     p.lse.data = static_cast<float*>(const_cast<void*>(c.lse->data()));
     view_n(p.lse, *c.lse);

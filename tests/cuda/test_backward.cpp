@@ -18,6 +18,7 @@
 
 #include "../common/backward_check.hpp"
 #include "../common/catalogue.hpp"
+#include "bf16.hpp"
 #include "flashref/cuda/attention.hpp"
 #include "flashref/cuda/backward.hpp"
 #include "flashref/flashref.hpp"
@@ -35,6 +36,9 @@ namespace fc = flashref::cuda;
 using flashref::test::name_of;
 
 namespace {
+
+using flashref::test::bf16_bits;
+using flashref::test::from_bf16_bits;
 
 // The tensor-core backward takes D = Dv in {64, 128}.
 bool tensor_core_dims(const problem_shape& s) {
@@ -230,18 +234,6 @@ struct device_memory {
     return d;
   }
 };
-
-std::uint16_t bf16_bits(float x) {
-  std::uint32_t u = 0;
-  std::memcpy(&u, &x, sizeof u);
-  return std::uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);  // round to nearest even
-}
-float from_bf16_bits(std::uint16_t b) {
-  const std::uint32_t u = std::uint32_t(b) << 16;
-  float x = 0;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-}
 
 // A (B, L, H, X) bf16 copy of a (B, H, L, X) view: the [B, L, H, D] storage of FlashAttention.
 template <class View>

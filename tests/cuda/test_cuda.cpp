@@ -19,6 +19,7 @@
 
 #include "../common/catalogue.hpp"
 #include "../common/check.hpp"
+#include "bf16.hpp"
 #include "flashref/cuda/attention.hpp"
 #include "flashref/flashref.hpp"
 #include "flashref/testdata/cases.hpp"
@@ -36,6 +37,9 @@ namespace fc = flashref::cuda;
 using flashref::test::name_of;
 
 namespace {
+
+using flashref::test::bf16_bits;
+using flashref::test::from_bf16_bits;
 
 void cuda_check(cudaError_t e) {
   REQUIRE(std::string(cudaGetErrorString(e)) == "no error");
@@ -149,19 +153,6 @@ struct device_copy {
     return d;
   }
 };
-
-// bf16 bits of a float that is exactly representable (the low 16 bits are zero).
-std::uint16_t bf16_bits(float x) {
-  std::uint32_t u = 0;
-  std::memcpy(&u, &x, sizeof u);
-  return std::uint16_t(u >> 16);
-}
-float from_bf16_bits(std::uint16_t b) {
-  const std::uint32_t u = std::uint32_t(b) << 16;
-  float x = 0;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-}
 
 // The device entry on bf16 data stored [B, L, H, D] with bf16 output [B, L, H, Dv].
 std::vector<float> run_device_entry(const problem_shape& s, const flashref::problem_data& op,

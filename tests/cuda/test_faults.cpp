@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "../common/check.hpp"
+#include "bf16.hpp"
 #include "flashref/cuda/attention.hpp"
 #include "flashref/cuda/backward.hpp"
 #include "flashref/flashref.hpp"
@@ -31,6 +32,9 @@ using flashref::test::problem_shape;
 namespace fc = flashref::cuda;
 
 namespace {
+
+using flashref::test::bf16_bits;
+using flashref::test::from_bf16_bits;
 
 void cuda_check(cudaError_t e) {
   REQUIRE(std::string(cudaGetErrorName(e)) == "cudaSuccess");
@@ -92,14 +96,6 @@ class buffer {
   void* ptr_ = nullptr;
   memory kind_ = memory::device;
 };
-
-// bf16 bits of a float that is exactly representable (inputs are rounded first); NaN and inf
-// keep their class.
-std::uint16_t bf16_bits(float x) {
-  std::uint32_t u = 0;
-  std::memcpy(&u, &x, sizeof u);
-  return std::uint16_t(u >> 16);
-}
 
 // A bf16 problem_data uploaded for the device entry: q, k, v as stored (either layout), O in
 // float32 (B, Hq, Lq, Dv) and LSE (B, Hq, Lq) row-major, the masks in device memory.

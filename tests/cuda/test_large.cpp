@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "../common/check.hpp"
+#include "bf16.hpp"
 #include "flashref/cuda/attention.hpp"
 #include "flashref/cuda/backward.hpp"
 #include "flashref/reference/backward.hpp"
@@ -36,6 +37,9 @@ namespace fc = flashref::cuda;
 using flashref::test::name_of;
 
 namespace {
+
+using flashref::test::bf16_bits;
+using flashref::test::from_bf16_bits;
 
 void cuda_check(cudaError_t e) {
   REQUIRE(std::string(cudaGetErrorString(e)) == "no error");
@@ -79,19 +83,6 @@ bool device_has(std::size_t bytes, const char* what) {
 
 std::size_t elem_bytes(input_dtype t) {
   return t == input_dtype::float32 ? 4 : 2;
-}
-
-// bf16 bits of a float that bf16 represents exactly (the test only writes such values).
-std::uint16_t bf16_bits(float x) {
-  std::uint32_t u = 0;
-  std::memcpy(&u, &x, sizeof u);
-  return std::uint16_t(u >> 16);
-}
-float from_bf16_bits(std::uint16_t b) {
-  const std::uint32_t u = std::uint32_t(b) << 16;
-  float x = 0;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
 }
 
 // values[n] (exactly representable in `t`) into device memory at element `offset` of `base`.
