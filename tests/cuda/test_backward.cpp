@@ -18,7 +18,7 @@
 
 #include "../common/backward_check.hpp"
 #include "../common/catalogue.hpp"
-#include "bf16.hpp"
+#include "cuda_test.hpp"
 #include "flashref/cuda/attention.hpp"
 #include "flashref/cuda/backward.hpp"
 #include "flashref/flashref.hpp"
@@ -38,6 +38,7 @@ using flashref::test::name_of;
 namespace {
 
 using flashref::test::bf16_bits;
+using flashref::test::cuda_check;
 using flashref::test::from_bf16_bits;
 
 // The tensor-core backward takes D = Dv in {64, 128}.
@@ -209,10 +210,6 @@ TEST_CASE("cuda backward is bitwise deterministic from run to run", "[cuda][back
 }
 
 namespace {
-
-void cuda_check(cudaError_t e) {
-  REQUIRE(std::string(cudaGetErrorString(e)) == "no error");
-}
 
 // Device memory freed at the end of a test.
 struct device_memory {

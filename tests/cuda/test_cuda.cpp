@@ -19,7 +19,7 @@
 
 #include "../common/catalogue.hpp"
 #include "../common/check.hpp"
-#include "bf16.hpp"
+#include "cuda_test.hpp"
 #include "flashref/cuda/attention.hpp"
 #include "flashref/flashref.hpp"
 #include "flashref/testdata/cases.hpp"
@@ -39,11 +39,8 @@ using flashref::test::name_of;
 namespace {
 
 using flashref::test::bf16_bits;
+using flashref::test::cuda_check;
 using flashref::test::from_bf16_bits;
-
-void cuda_check(cudaError_t e) {
-  REQUIRE(std::string(cudaGetErrorString(e)) == "no error");
-}
 
 // Can the Hopper kernel run here (a build with it, compute capability 9.0)? Asked of the
 // library itself: forcing it on a problem it takes throws exactly when it cannot run.

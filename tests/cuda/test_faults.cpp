@@ -20,7 +20,7 @@
 #include <vector>
 
 #include "../common/check.hpp"
-#include "bf16.hpp"
+#include "cuda_test.hpp"
 #include "flashref/cuda/attention.hpp"
 #include "flashref/cuda/backward.hpp"
 #include "flashref/flashref.hpp"
@@ -34,11 +34,8 @@ namespace fc = flashref::cuda;
 namespace {
 
 using flashref::test::bf16_bits;
+using flashref::test::cuda_check;
 using flashref::test::from_bf16_bits;
-
-void cuda_check(cudaError_t e) {
-  REQUIRE(std::string(cudaGetErrorName(e)) == "cudaSuccess");
-}
 
 enum class memory { device, managed, pinned, pool };
 

@@ -23,7 +23,7 @@
 #include <vector>
 
 #include "../common/check.hpp"
-#include "bf16.hpp"
+#include "cuda_test.hpp"
 #include "flashref/cuda/attention.hpp"
 #include "flashref/cuda/backward.hpp"
 #include "flashref/reference/backward.hpp"
@@ -39,11 +39,8 @@ using flashref::test::name_of;
 namespace {
 
 using flashref::test::bf16_bits;
+using flashref::test::cuda_check;
 using flashref::test::from_bf16_bits;
-
-void cuda_check(cudaError_t e) {
-  REQUIRE(std::string(cudaGetErrorString(e)) == "no error");
-}
 
 constexpr std::size_t kGiB = std::size_t(1) << 30;
 

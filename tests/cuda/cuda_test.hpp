@@ -1,10 +1,20 @@
 #pragma once
-// bfloat16 bits on the host, for the CUDA tests' device copies.
+// Helpers of the CUDA tests: CUDA errors as Catch2 failures, bfloat16 bits on the host.
+
+#include <catch2/catch.hpp>
+
+#include <cuda_runtime_api.h>
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 
 namespace flashref::test {
+
+// A CUDA call that must succeed: on failure the assertion shows the error's name.
+inline void cuda_check(cudaError_t e) {
+  REQUIRE(std::string(cudaGetErrorName(e)) == "cudaSuccess");
+}
 
 // The bf16 bits of x, rounded to nearest even (a value bf16 represents keeps its bits; NaN and
 // inf keep their class).
