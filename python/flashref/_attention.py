@@ -120,6 +120,19 @@ def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and "torch" in sys.modules
 
 
+def _capsules(*tensors):
+    """torch tensors (or None) as DLPack capsules for the binding, through torch's C exporter.
+
+    ``Tensor.__dlpack__``, which the binding would call otherwise, is Python code that asks
+    torch for the current device and streams on every call (and, on PyTorch releases whose
+    default is ``stream=None``, makes the default stream wait on the current one): several
+    microseconds per tensor, on every call. The binding needs none of it: it reads the data in
+    place and enqueues on the stream it is given. The capsules share the tensors' memory."""
+    from torch.utils.dlpack import to_dlpack
+
+    return tuple(None if t is None else to_dlpack(t.detach()) for t in tensors)
+
+
 def attention(
     q: Any,
     k: Any,
@@ -221,20 +234,26 @@ def _attention_torch(q, k, v, scale, causal_s, left, right, block_mask, block_q,
         block_mask = torch.as_tensor(block_mask, device=device)
     if kv_len is not None:
         kv_len = torch.as_tensor(kv_len, dtype=torch.int32, device=device)
-    stream = 0
+    cq, ck, cv, co, clse, cmask, ckv = _capsules(q, k, v, o, lse, block_mask, kv_len)
+    args = (cq, ck, cv, co, clse, scale, causal_s, left, right, cmask, block_q, block_k, ckv,
+            backend_s, blhd)
     if device.type == "cuda":
-        stream = torch.cuda.current_stream(device).cuda_stream
-        with torch.cuda.device(device):
-            _core.attention_into(
-                q.detach(), k.detach(), v.detach(), o, lse, scale, causal_s, left, right,
-                block_mask, block_q, block_k, kv_len, backend_s, blhd, stream,
-            )
+        _on_device(device, _core.attention_into, args)
     else:
-        _core.attention_into(
-            q.detach(), k.detach(), v.detach(), o, lse, scale, causal_s, left, right,
-            block_mask, block_q, block_k, kv_len, backend_s, blhd, stream,
-        )
+        _core.attention_into(*args, 0)
     return (o, lse) if return_lse else o
+
+
+def _on_device(device, entry, args):
+    """entry(*args, stream) with `device` current, on its current stream (the caller's)."""
+    import torch
+
+    stream = torch.cuda.current_stream(device).cuda_stream
+    if device.index is None or device.index == torch.cuda.current_device():
+        entry(*args, stream)
+    else:
+        with torch.cuda.device(device):
+            entry(*args, stream)
 
 
 def _torch_outputs(q, v, blhd, backend_s):
@@ -348,14 +367,13 @@ def _attention_backward_torch(q, k, v, o, lse, do, scale, causal_s, left, right,
         block_mask = torch.as_tensor(block_mask, device=device)
     if kv_len is not None:
         kv_len = torch.as_tensor(kv_len, dtype=torch.int32, device=device)
-    args = (q.detach(), k.detach(), v.detach(), o.detach(), None if lse is None else lse.detach(),
-            do.detach(), dq, dk, dv, scale, causal_s, left, right, block_mask, block_q, block_k,
-            kv_len, backend_s, blhd)
+    cq, ck, cv, co, clse, cdo, cdq, cdk, cdv, cmask, ckv = _capsules(
+        q, k, v, o, lse, do, dq, dk, dv, block_mask, kv_len)
+    args = (cq, ck, cv, co, clse, cdo, cdq, cdk, cdv, scale, causal_s, left, right, cmask, block_q,
+            block_k, ckv, backend_s, blhd)
     if device.type == "cuda":
         # The device entry, in place, on the caller's current stream of q's device.
-        stream = torch.cuda.current_stream(device).cuda_stream
-        with torch.cuda.device(device):
-            _core.attention_backward_into(*args, stream)
+        _on_device(device, _core.attention_backward_into, args)
     else:
         _core.attention_backward_into(*args, 0)
     return dq, dk, dv
