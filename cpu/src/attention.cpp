@@ -33,6 +33,7 @@ namespace {
 using detail::context;
 using detail::denormals_as_zero;
 using detail::free_deleter;
+using detail::large_buffer;
 using detail::kernel_table;
 using detail::out_rows;
 using detail::table_of;
@@ -356,20 +357,24 @@ void run(const attention_problem& p, const storage_of& st, const options& opt) {
   ctx.group = p.group_size();
   ctx.tq = pl.tile_q;
   ctx.tk = pl.tile_k;
-  // The bf16 kernels read K and Vᵀ in bfloat16, packed once here for every query tile.
-  std::vector<std::uint16_t> kb, vt;
-  std::vector<std::uint8_t> v_bad;
+  // The bf16 kernels read K and Vᵀ in bfloat16, packed once here for every query tile. The
+  // buffers are left uninitialised (large_buffer): prepack writes every element of each head,
+  // padding included, in the parallel region, so that their pages are first touched (and
+  // zeroed by the operating system) by many threads rather than by a serial
+  // value-initialisation of tens of MB on every call.
+  std::unique_ptr<std::uint16_t, free_deleter> kb, vt;
+  std::unique_ptr<std::uint8_t[]> v_bad;
   const std::int64_t heads_kv = B * p.heads_k();
   if (ctx.bf16_dot) {
     ctx.Dkp = ceil_div(ctx.D, detail::kDotK) * detail::kDotK;     // whole AMX tile rows
     ctx.Dvp = ceil_div(Dv, detail::kDotRow) * detail::kDotRow;    // whole result tiles
     ctx.Lkp = (ceil_div(Lk, detail::kDotK) + 1) * detail::kDotK;  // room for rounded-up reads
-    kb.resize(std::size_t(heads_kv * ctx.Lkp * ctx.Dkp));
-    vt.resize(std::size_t(heads_kv * ctx.Dvp * ctx.Lkp));
-    v_bad.resize(std::size_t(heads_kv * ctx.Lkp / detail::kDotK));
-    ctx.kb = kb.data();
-    ctx.vt = vt.data();
-    ctx.v_bad = v_bad.data();
+    kb.reset(large_buffer<std::uint16_t>(std::size_t(heads_kv * ctx.Lkp * ctx.Dkp)));
+    vt.reset(large_buffer<std::uint16_t>(std::size_t(heads_kv * ctx.Dvp * ctx.Lkp)));
+    v_bad.reset(new std::uint8_t[std::size_t(heads_kv * ctx.Lkp / detail::kDotK)]);
+    ctx.kb = kb.get();
+    ctx.vt = vt.get();
+    ctx.v_bad = v_bad.get();
   }
 
   const std::int64_t nqt = ceil_div(Lq, pl.tile_q), splits = pl.kv_splits;

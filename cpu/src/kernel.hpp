@@ -4,10 +4,16 @@
 // Everything here is plain data: the driver plans and schedules, a kernel computes one work
 // item — one query tile of one (batch, head) against one chunk of keys.
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <new>
 #include <vector>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 #if defined(FLASHREF_CPU_X86)
 #include <xmmintrin.h>
@@ -139,8 +145,24 @@ const kernel_table& amx_kernels();          // AVX-512 + AMX tiles (tdpbf16ps)
 #endif
 
 struct free_deleter {
-  void operator()(float* p) const { std::free(p); }
+  void operator()(void* p) const { std::free(p); }
 };
+
+// n uninitialised elements for a buffer of many MB that the caller fills in parallel: aligned
+// to 2 MiB and, on Linux, marked for transparent huge pages (where the system has them on
+// request), so that first touching it takes one page fault per 2 MiB instead of one per 4 KiB.
+// Freed with std::free (free_deleter). Throws std::bad_alloc when the memory cannot be had.
+template <class T>
+T* large_buffer(std::size_t n) {
+  constexpr std::size_t kHuge = std::size_t(2) << 20;
+  const std::size_t bytes = (std::max<std::size_t>(n * sizeof(T), 1) + kHuge - 1) / kHuge * kHuge;
+  void* p = std::aligned_alloc(kHuge, bytes);
+  if (p == nullptr) throw std::bad_alloc();
+#if defined(__linux__)
+  (void)madvise(p, bytes, MADV_HUGEPAGE);  // a hint: refused or unsupported, 4 KiB pages serve
+#endif
+  return static_cast<T*>(p);
+}
 
 // Flush denormals to zero inside the kernels (and restore the caller's mode): a denormal
 // product p * v costs a microcode assist on many processors and is below every tolerance.
