@@ -113,6 +113,32 @@ expect "bench-cpu-vs-torch without flashref" 2 "flashref: expected an executable
 expect "bench-cpu-vs-torch with bad --threads" 2 "--threads: expected positive counts" \
   -- "$bench" "$work/b" --flashref "$pack/bin/flashref" --threads 2,x
 
+ab=$root/scripts/bench-gpu-ab
+expect "bench-gpu-ab without arguments" 2 "usage: bench-gpu-ab" -- "$ab"
+expect "bench-gpu-ab with a missing pack" 2 "PACK_B: expected a folder or a .tar.xz.*no such path" \
+  -- "$ab" "$work/ab" "$pack" "$work/no-such-pack"
+expect "bench-gpu-ab with no rounds" 2 "--rounds: expected a positive count, got 0" \
+  -- "$ab" "$work/ab" "$pack" "$pack" --rounds 0
+# Packs whose bench-gpu reports one point: A at 100 TFLOP/s, B at 110, N at 120 with a NaN.
+for side in a:100:0 b:110:0 n:120:1; do
+  IFS=: read -r name rate nan <<<"$side"
+  mkdir -p "$work/ab-$name/bin" "$work/ab-$name/lib"
+  cat >"$work/ab-$name/bin/flashref" <<STUB
+#!/bin/sh
+# bench-gpu --json FILE ...: one record
+echo '[{"backend": "cuda", "D": 128, "Lq": 1024, "mask": "dense", "density": 0, "dtype": "bfloat16", "kernel": "hopper", "tflops": $rate, "nan_count": $nan, "empty_rows_bad": 0}]' >"\$3"
+STUB
+  chmod +x "$work/ab-$name/bin/flashref"
+done
+expect "bench-gpu-ab: B / A per point, best of the rounds" 0 "\\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 100.0 \\| 110.0 \\| 1.100 \\| none \\|" \
+  -- "$ab" "$work/ab-out" "$work/ab-a" "$work/ab-b" --rounds 2 -- --lengths 1024
+expect "bench-gpu-ab: a NaN at a point is flagged and fails the comparison" 1 "\\| 1.200 \\| B \\|" \
+  -- "$ab" "$work/ab-out3" "$work/ab-a" "$work/ab-n" --rounds 1
+stub "$work/ab-fail/bin" flashref 3 "bench-gpu failed"
+mkdir -p "$work/ab-fail/lib"
+expect "bench-gpu-ab: a failing build fails the comparison" 1 "B round 1: exit 3" \
+  -- "$ab" "$work/ab-out2" "$work/ab-a" "$work/ab-fail" --rounds 1
+
 if [[ $failures -ne 0 ]]; then
   echo "$failures script checks failed"
   exit 1
