@@ -228,7 +228,7 @@ def _attention_torch(q, k, v, scale, causal_s, left, right, block_mask, block_q,
                      kv_len, backend_s, blhd, return_lse):
     import torch
 
-    o, lse = _torch_outputs(q, v, blhd, backend_s)
+    o, lse = _torch_outputs(q, v, blhd, backend_s, return_lse)
     device = q.device
     if block_mask is not None:
         block_mask = torch.as_tensor(block_mask, device=device)
@@ -256,13 +256,13 @@ def _on_device(device, entry, args):
             entry(*args, stream)
 
 
-def _torch_outputs(q, v, blhd, backend_s):
+def _torch_outputs(q, v, blhd, backend_s, with_lse=True):
     import torch
 
     o_shape, lse_shape = _out_shapes(q, v, blhd)
     dtype, lse_dtype = _torch_dtypes(q, backend_s)
     o = torch.empty(o_shape, dtype=dtype, device=q.device)
-    lse = torch.empty(lse_shape, dtype=lse_dtype, device=q.device)
+    lse = torch.empty(lse_shape, dtype=lse_dtype, device=q.device) if with_lse else None
     return o, lse
 
 
