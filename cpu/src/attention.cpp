@@ -33,8 +33,8 @@ namespace {
 using detail::context;
 using detail::denormals_as_zero;
 using detail::free_deleter;
-using detail::large_buffer;
 using detail::kernel_table;
+using detail::large_buffer;
 using detail::out_rows;
 using detail::table_of;
 using detail::thread_workspace;
