@@ -213,8 +213,9 @@ void attach_masks(Problem& p, const call& c) {
   }
 }
 
-// The call's q, k, v, o as the library's float views over the caller's pointers (data and
-// layout only: the dtype is the caller's to check, and a device pointer is never dereferenced).
+// The call's q, k, v, o, lse and masks as the library's float views over the caller's
+// pointers (data and layout only: the dtypes are the caller's to check, and a device pointer is
+// never dereferenced here).
 attention_problem tensor_views(const call& c) {
   attention_problem p;
   p.q.data = static_cast<const float*>(c.q.data());
@@ -225,6 +226,11 @@ attention_problem tensor_views(const call& c) {
   view4(p.k, c.k, c.blhd);
   view4(p.v, c.v, c.blhd);
   view4(p.o, c.o, c.blhd);
+  if (c.lse) {
+    p.lse.data = static_cast<float*>(const_cast<void*>(c.lse->data()));
+    view_n(p.lse, *c.lse);
+  }
+  attach_masks(p, c);
   return p;
 }
 
@@ -243,15 +249,9 @@ attention_problem host_problem(const call& c) {
                               : ""));
     }
   }
-  attention_problem p = tensor_views(c);
-  if (c.lse) {
-    if (!is_float32(c.lse->dtype()))
-      throw type_error("lse: expected dtype float32, got " + dtype_name(c.lse->dtype()));
-    p.lse.data = static_cast<float*>(const_cast<void*>(c.lse->data()));
-    view_n(p.lse, *c.lse);
-  }
-  attach_masks(p, c);
-  return p;
+  if (c.lse && !is_float32(c.lse->dtype()))
+    throw type_error("lse: expected dtype float32, got " + dtype_name(c.lse->dtype()));
+  return tensor_views(c);
 }
 
 backend run_host(const call& c, backend chosen) {
@@ -502,6 +502,20 @@ struct grads_call {
   const array& dv;
 };
 
+// The backward's dO, dQ, dK, dV as float views over the caller's pointers, as tensor_views.
+attention_gradients gradient_views(const grads_call& g, bool blhd) {
+  attention_gradients grads;
+  grads.d_o.data = static_cast<const float*>(g.d_o.data());
+  grads.dq.data = static_cast<float*>(const_cast<void*>(g.dq.data()));
+  grads.dk.data = static_cast<float*>(const_cast<void*>(g.dk.data()));
+  grads.dv.data = static_cast<float*>(const_cast<void*>(g.dv.data()));
+  view4(grads.d_o, g.d_o, blhd);
+  view4(grads.dq, g.dq, blhd);
+  view4(grads.dk, g.dk, blhd);
+  view4(grads.dv, g.dv, blhd);
+  return grads;
+}
+
 void expect_grads(const call& c, const grads_call& g) {
   const char* dims = c.blhd ? "(B, L, H, D)" : "(B, H, L, D)";
   if (!c.lse) throw problem_error("lse: expected the forward's LSE for the backward, got None");
@@ -560,22 +574,8 @@ device_gradient_dtypes expect_device_gradient_dtypes(const grads_call& g, input_
 // left out (its shape is checked).
 void validate_device_backward(const call& c, const grads_call& g) {
   attention_problem p = tensor_views(c);
-  if (c.lse) {
-    p.lse.data = static_cast<float*>(const_cast<void*>(c.lse->data()));
-    view_n(p.lse, *c.lse);
-  }
-  attach_masks(p, c);
   p.kv_len = nullptr;
-  attention_gradients shapes;
-  shapes.d_o.data = static_cast<const float*>(g.d_o.data());
-  shapes.dq.data = static_cast<float*>(const_cast<void*>(g.dq.data()));
-  shapes.dk.data = static_cast<float*>(const_cast<void*>(g.dk.data()));
-  shapes.dv.data = static_cast<float*>(const_cast<void*>(g.dv.data()));
-  view4(shapes.d_o, g.d_o, c.blhd);
-  view4(shapes.dq, g.dq, c.blhd);
-  view4(shapes.dk, g.dk, c.blhd);
-  view4(shapes.dv, g.dv, c.blhd);
-  validate_backward(p, shapes);
+  validate_backward(p, gradient_views(g, c.blhd));
 }
 
 #if defined(FLASHREF_HAVE_CUDA)
@@ -634,21 +634,13 @@ const char* attention_backward_into(const array& q, const array& k, const array&
     return to_string(backend::reference);
   }
   const attention_problem p = host_problem(c);
-  attention_gradients grads;
   for (const auto& [field, a] :
        {std::pair{"do", &d_o}, std::pair{"dq", &dq}, std::pair{"dk", &dk}, std::pair{"dv", &dv}}) {
     if (!is_float32(a->dtype()))
       throw type_error(std::string(field) + ": expected dtype float32 in host memory, got " +
                        dtype_name(a->dtype()));
   }
-  grads.d_o.data = static_cast<const float*>(d_o.data());
-  grads.dq.data = static_cast<float*>(const_cast<void*>(dq.data()));
-  grads.dk.data = static_cast<float*>(const_cast<void*>(dk.data()));
-  grads.dv.data = static_cast<float*>(const_cast<void*>(dv.data()));
-  view4(grads.d_o, d_o, blhd);
-  view4(grads.dq, dq, blhd);
-  view4(grads.dk, dk, blhd);
-  view4(grads.dv, dv, blhd);
+  const attention_gradients grads = gradient_views(g, blhd);
   nb::gil_scoped_release unlocked;
   return to_string(attention_backward(p, grads, chosen));
 }
