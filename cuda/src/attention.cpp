@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -48,11 +49,21 @@ void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
   }
   if (guard_v) kernel = kernel_kind::simt;  // no stream-ordered pool here: the SIMT kernel alone
   switch (kernel) {
-    case kernel_kind::hopper:
+    case kernel_kind::hopper: {
 #if defined(FLASHREF_CUDA_HOPPER)
-      check(detail::launch_hopper(kp, input, stream), "hopper kernel launch");
+      // The counter the persistent blocks take work items from; without a stream-ordered pool
+      // they take them in a fixed stride.
+      std::optional<detail::stream_scratch> counter;
+      if (detail::stream_scratch::available()) {
+        counter.emplace("work_counter", sizeof(std::uint32_t), stream);
+      }
+      check(detail::launch_hopper(kp, input,
+                                  counter ? static_cast<std::uint32_t*>(counter->get()) : nullptr,
+                                  detail::sm_count(), stream),
+            "hopper kernel launch");
 #endif
       return;
+    }
     case kernel_kind::tensor_core:
       check(detail::launch_tensor_core(kp, input, stream), "tensor-core kernel launch");
       return;
