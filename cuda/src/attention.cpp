@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -25,9 +26,11 @@ namespace {
 
 // Enqueues a validated problem; `mask` carries the problem's mask with kv_len in device memory.
 // With `guard_v`, a tensor-core kernel is followed by the scan of V and the gated SIMT kernel
-// (SPEC §2 for a V that may hold NaN or inf; cuda/NOTES.md).
+// (SPEC §2 for a V that may hold NaN or inf; cuda/NOTES.md). `work_counter`: 4 bytes of device
+// memory for the Hopper kernel's work counter, or null to take them from the stream-ordered pool.
 void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
-             double softmax_scale, cudaStream_t stream, bool guard_v = false) {
+             double softmax_scale, cudaStream_t stream, bool guard_v = false,
+             std::uint32_t* work_counter = nullptr) {
   if (p.q.shape[0] * p.q.shape[1] * p.q.shape[2] == 0) return;  // nothing to write
   detail::kernel_params kp = kernel_params_of(p, mask, softmax_scale);
   const detail::elem input = to_elem(p.q.dtype);
@@ -48,11 +51,20 @@ void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
   }
   if (guard_v) kernel = kernel_kind::simt;  // no stream-ordered pool here: the SIMT kernel alone
   switch (kernel) {
-    case kernel_kind::hopper:
+    case kernel_kind::hopper: {
 #if defined(FLASHREF_CUDA_HOPPER)
-      check(detail::launch_hopper(kp, input, stream), "hopper kernel launch");
+      // The counter the persistent blocks take work items from: the caller's, else from the
+      // stream-ordered pool; without either they take them in a fixed stride.
+      std::optional<detail::stream_scratch> counter;
+      if (work_counter == nullptr && detail::stream_scratch::available()) {
+        counter.emplace("work_counter", sizeof(std::uint32_t), stream);
+        work_counter = static_cast<std::uint32_t*>(counter->get());
+      }
+      check(detail::launch_hopper(kp, input, work_counter, detail::sm_count(), stream),
+            "hopper kernel launch");
 #endif
       return;
+    }
     case kernel_kind::tensor_core:
       check(detail::launch_tensor_core(kp, input, stream), "tensor-core kernel launch");
       return;
@@ -152,6 +164,9 @@ void attention(const attention_problem& p, kernel_choice kernel) {
   const std::array<std::int64_t, 3> lse_shape{B, Hq, Lq};
   device_buffer d_o("o", std::size_t(B * Hq * Lq * p.head_dim_v()) * sizeof(float));
   device_buffer d_lse("lse", std::size_t(B * Hq * Lq) * sizeof(float));
+  // The Hopper kernel's work counter beside the outputs: the host entry holds no pool memory
+  // after it returns.
+  device_buffer d_counter("work_counter", sizeof(std::uint32_t));
   dp.o = {d_o.get(), input_dtype::float32, o_shape, dense_strides<4>(o_shape)};
   dp.lse = {d_lse.get(), input_dtype::float32, lse_shape, dense_strides<3>(lse_shape)};
   up.masks(p, dp);
@@ -160,7 +175,8 @@ void attention(const attention_problem& p, kernel_choice kernel) {
   // device memory (set by enqueue).
   attention_problem on_device = p;
   on_device.block_mask = dp.block_mask;
-  enqueue(dp, chosen, make_mask_spec(on_device), p.softmax_scale(), stream);
+  enqueue(dp, chosen, make_mask_spec(on_device), p.softmax_scale(), stream, false,
+          static_cast<std::uint32_t*>(d_counter.get()));
   check(cudaStreamSynchronize(stream), "attention kernel");
 
   std::vector<float> o(std::size_t(B * Hq * Lq * p.head_dim_v()));

@@ -291,7 +291,7 @@ stream_scratch::stream_scratch(const char* field, std::size_t bytes, cudaStream_
     (void)cudaGetLastError();
     ptr_ = nullptr;
     throw problem_error(std::string(field) + ": expected " + std::to_string(bytes) +
-                        " bytes of device memory for the scan of V, got " + cudaGetErrorName(e) +
+                        " bytes of stream-ordered device memory, got " + cudaGetErrorName(e) +
                         " (" + cudaGetErrorString(e) + ")");
   }
 }

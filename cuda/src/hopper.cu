@@ -1,9 +1,12 @@
 // The Hopper forward kernel (sm_90a; bf16 / fp16 inputs, fp32 accumulation), in the design of
 // FlashAttention-3 (Shah et al. 2024): warp specialisation with TMA loads and wgmma.
 //
-// A block of three warpgroups computes 128 query rows of one (batch, head):
+// A block of three warpgroups computes 128 query rows of one (batch, head) at a time, one
+// work item after another (persistent: one block per SM; scheduler.cuh):
 //   warpgroup 0  producer (producer.cuh): one warp walks the visible key tiles and loads Q once
-//                and K, V per tile with TMA into a ring of stages (mbarrier full / empty);
+//                per item and K, V per tile with TMA into a ring of stages (mbarrier full /
+//                empty) that runs on across items, so the next item's loads overlap the
+//                current one's last products and epilogue;
 //   warpgroups 1, 2  consumers (consumer.cuh), 64 rows each: S = Q K^T, mask, online softmax,
 //                O += P V with P in registers, then the epilogue (epilogue.cuh).
 // setmaxnreg moves registers from the producer to the consumers. Tiles and barriers:
@@ -18,6 +21,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime_api.h>
 
+#include <climits>
 #include <cstdint>
 
 #include "hopper/consumer.cuh"
@@ -38,6 +42,7 @@ namespace {
 struct hopper_params {
   sm90::tensor_maps maps;
   kernel_params p;
+  std::uint32_t* work_counter;  // zero at launch (scheduler.cuh), or null: a fixed stride
 };
 
 template <class T, int kD>
@@ -56,13 +61,12 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
     tma_prefetch_map(&hp.maps.v);
   }
   __syncthreads();
-  const tile_work w = schedule(hp.p);
   if (warpgroup == 0) {
     setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x < 32) produce<T, kD>(hp.p, hp.maps, w, smem, bar);
+    if (threadIdx.x < 32) produce<T, kD>(hp, s_raw, bar);
   } else {
     setmaxnreg_inc<kConsumerRegs>();
-    consume<T, kD>(hp.p, w, warpgroup - 1, smem, bar);
+    consume<T, kD>(hp.p, warpgroup - 1, smem, bar);
   }
 #else
   (void)hp;
@@ -114,9 +118,11 @@ cudaError_t make_map(CUtensorMap* map, const void* base, elem input, std::int64_
 }
 
 template <class T, int kD>
-cudaError_t launch(const kernel_params& p, elem input, cudaStream_t stream) {
+cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_counter, int sm_count,
+                   cudaStream_t stream) {
   hopper_params hp{};
   hp.p = p;
+  hp.work_counter = work_counter;
   cudaError_t e =
       make_map(&hp.maps.q, p.q, input, p.batch, p.heads_q, p.len_q, kD, p.q_stride, sm90::kTileQ);
   if (e == cudaSuccess) {
@@ -130,22 +136,31 @@ cudaError_t launch(const kernel_params& p, elem input, cudaStream_t stream) {
   e = cudaFuncSetAttribute(hopper_kernel<T, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            kSmem);
   if (e != cudaSuccess) return e;
-  const dim3 grid(static_cast<unsigned>((p.len_q + sm90::kTileQ - 1) / sm90::kTileQ),
-                  static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
-  hopper_kernel<T, kD><<<grid, sm90::kThreads, kSmem, stream>>>(hp);
+  if (work_counter != nullptr) {
+    e = cudaMemsetAsync(work_counter, 0, sizeof(std::uint32_t), stream);
+    if (e != cudaSuccess) return e;
+  }
+  // Persistent: one block per SM (the shared memory allows no second), or fewer for a small
+  // problem.
+  // Work items are numbered in 32 bits: 2^31 of them would need Q of at least 2^45 bytes.
+  const std::int64_t items = sm90::work_items(p);
+  if (items > std::int64_t(INT32_MAX)) return cudaErrorInvalidValue;
+  const std::int64_t blocks = items < sm_count ? items : sm_count;
+  hopper_kernel<T, kD><<<static_cast<unsigned>(blocks), sm90::kThreads, kSmem, stream>>>(hp);
   return cudaGetLastError();
 }
 
 }  // namespace
 
-cudaError_t launch_hopper(const kernel_params& p, elem input, cudaStream_t stream) {
+cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
+                          int sm_count, cudaStream_t stream) {
   const bool half = input == elem::f16;
   if (p.head_dim == 64) {
-    return half ? launch<__half, 64>(p, input, stream)
-                : launch<__nv_bfloat16, 64>(p, input, stream);
+    return half ? launch<__half, 64>(p, input, work_counter, sm_count, stream)
+                : launch<__nv_bfloat16, 64>(p, input, work_counter, sm_count, stream);
   }
-  return half ? launch<__half, 128>(p, input, stream)
-              : launch<__nv_bfloat16, 128>(p, input, stream);
+  return half ? launch<__half, 128>(p, input, work_counter, sm_count, stream)
+              : launch<__nv_bfloat16, 128>(p, input, work_counter, sm_count, stream);
 }
 
 }  // namespace flashref::cuda::detail

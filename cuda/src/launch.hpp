@@ -36,8 +36,11 @@ struct kernel_params {
 cudaError_t launch_tensor_core(const kernel_params& p, elem input, cudaStream_t stream);
 
 // The Hopper kernel (sm_90a: wgmma, TMA, warp specialisation): the same problems as
-// launch_tensor_core, on a device of compute capability 9.0 only.
-cudaError_t launch_hopper(const kernel_params& p, elem input, cudaStream_t stream);
+// launch_tensor_core, on a device of compute capability 9.0 only. Persistent, on at most
+// sm_count blocks; `work_counter` (4 bytes of device memory, zeroed on the stream here) lets
+// blocks take work items as they free up, null gives each block a fixed stride of them.
+cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
+                          int sm_count, cudaStream_t stream);
 
 // The float32-accumulating SIMT kernel: any strides, head dims up to kSimtMaxHeadDim. Gated
 // (p.run_if set), it runs on a grid of one wave whose blocks walk the query tiles, so that the

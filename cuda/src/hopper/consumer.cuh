@@ -8,10 +8,11 @@
 //   rescale            O *= exp_old
 //   O += P V           wgmma, P from registers (bf16 / fp16), V in shared memory
 //
-// then releases the stage. When the producer says there are no more tiles the epilogue writes
-// O / sum and LSE; a query tile with no visible key writes (0, -inf) without waiting for Q.
-// Two loops take these steps: in sequence (consume_serial, D = 64), and with one tile's P V
-// running under the next tile's mask and softmax (consume_overlapped, D = 128).
+// then releases the stage. When the producer closes the work item the epilogue writes O / sum
+// and LSE, while the producer already loads the next item's tiles; a query tile with no visible
+// key writes (0, -inf) without waiting for Q. Two loops take these steps: in sequence
+// (consume_serial, D = 64), and with one tile's P V running under the next tile's mask and
+// softmax (consume_overlapped, D = 128).
 
 #include <cstdint>
 
@@ -62,15 +63,41 @@ __device__ __forceinline__ void fence_fragments(std::uint32_t (&a)[kN][4]) {
       asm volatile("" : "+r"(a[i][e])::"memory");
 }
 
-// One consumer's loop, with the two products of neighbouring tiles overlapped: in turn j the
+// The stages and the Q tile a consumer warp is done with, and its place in the ring: the
+// stage counter runs on across work items, as the producer's does.
+template <int kStages>
+struct consumer_ring {
+  barriers<kStages>& bar;
+  int it = 0;       // stages consumed so far
+  int q_loads = 0;  // Q tiles waited for so far
+
+  __device__ int stage(int i) const { return i % kStages; }
+  __device__ unsigned parity(int i) const { return (i / kStages) & 1; }
+  __device__ void release(int s) {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(&bar.empty[s]);  // this warp is done with stage s
+  }
+  __device__ void wait_q() { mbar_wait(&bar.q_full, q_loads++ & 1); }
+  __device__ void release_q() {
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(&bar.q_empty);  // this warp reads Q no more
+  }
+  // Waits for stage `it` and reads its descriptor.
+  __device__ stage_info next() {
+    mbar_wait(&bar.k_full[stage(it)], parity(it));
+    return read_stage_info(bar.info[stage(it)]);  // written before the arrival
+  }
+};
+
+// One work item with the two products of neighbouring tiles overlapped: in turn j the
 // warpgroup issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits for S_j alone
 // (wait<1>), and runs tile j's mask and softmax while P_{j-1} V_{j-1} still runs on the tensor
 // cores; only the rescale of O waits for it (wait<0>). Stage j - 1 is released after that.
+// On entry stage ring.it holds the item's first tile (`info`) and Q has arrived.
 template <class T, int kD>
 __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, int consumer,
                                    const shared_tiles<kD>& smem,
-                                   barriers<tiles<kD>::kStages>& bar) {
-  using t = tiles<kD>;
+                                   consumer_ring<tiles<kD>::kStages>& ring, stage_info info) {
   constexpr int kS = kTileK / 2;  // accumulator floats of S per thread
   constexpr int kO = kD / 2;      // accumulator floats of O per thread
   const fragment_coords at(consumer);
@@ -85,32 +112,19 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     for (int kk = 0; kk < kTileK / 16; ++kk)
       pv_product<T, kD>(rO, rP[kk], smem.v_desc(s, kk));
   };
-  const auto release = [&](int s) {
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) mbar_arrive(&bar.empty[s]);  // this warp is done with stage s
-  };
-
   // Tile j's scores to unnormalised probabilities: the partial-tile mask, then the softmax step.
-  const auto probabilities = [&](float(&rS)[kS], const stage_info& info, float(&exp_old)[2]) {
-    mask.apply(rS, at, info.tile, info.full != 0);
+  const auto probabilities = [&](float(&rS)[kS], const stage_info& tile, float(&exp_old)[2]) {
+    mask.apply(rS, at, tile.tile, tile.full != 0);
     softmax.step(rS, exp_old);
   };
 
-  // The first tile: S_0 alone.
-  int it = 0;
-  {
-    mbar_wait(&bar.k_full[0], 0);
-    const stage_info info = read_stage_info(bar.info[0]);  // written before the arrival
-    if (info.tile == kNoMoreTiles) {  // no visible key: (0, -inf) without waiting for Q
-      store_rows<T>(p, w, at, rO, softmax);
-      return;
-    }
-    mbar_wait(&bar.q_full, 0);
+  {  // The first tile: S_0 alone.
+    const int s = ring.stage(ring.it);
     float rS[kS];  // (64, kTileK) per warpgroup
     wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kD / 16; ++ks)
-      wgmma_ss_n128<T>(rS, smem.q_desc(consumer, ks), smem.k_desc(0, ks), ks > 0 ? 1 : 0);
+      wgmma_ss_n128<T>(rS, smem.q_desc(consumer, ks), smem.k_desc(s, ks), ks > 0 ? 1 : 0);
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rS);
@@ -118,13 +132,13 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     probabilities(rS, info, exp_old);
     to_a_fragments<T>(rS, rP);
   }
-  for (it = 1;; ++it) {
-    const int s = it % t::kStages, prev = (it - 1) % t::kStages;
-    const unsigned parity = (it / t::kStages) & 1, prev_parity = ((it - 1) / t::kStages) & 1;
-    mbar_wait(&bar.v_full[prev], prev_parity);
-    mbar_wait(&bar.k_full[s], parity);
-    const stage_info info = read_stage_info(bar.info[s]);
+  for (;;) {
+    const int prev = ring.stage(ring.it);
+    mbar_wait(&ring.bar.v_full[prev], ring.parity(ring.it));
+    ++ring.it;
+    info = ring.next();
     if (info.tile == kNoMoreTiles) break;
+    const int s = ring.stage(ring.it);
 
     // S_j = Q K_j^T, then O += P_{j-1} V_{j-1} behind it; wait for S_j alone.
     float rS[kS];
@@ -144,27 +158,31 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     wgmma_wait<0>();
     fence_operands(rO);
     fence_fragments(rP);
-    release(prev);
+    ring.release(prev);
     rescale_rows(rO, exp_old);
     to_a_fragments<T>(rS, rP);
   }
-  // The last tile's P V (its V was waited for above).
-  const int last = (it - 1) % t::kStages;
+  // Stage ring.it closes the item: Q is read no more. The last tile's P V (its V was waited
+  // for above), then the epilogue.
+  ring.release_q();
+  const int last = ring.stage(ring.it - 1);
   wgmma_fence();
   issue_pv(last);
   wgmma_commit();
   wgmma_wait<0>();
   fence_operands(rO);
-  release(last);
+  ring.release(last);
+  ring.release(ring.stage(ring.it++));
   store_rows<T>(p, w, at, rO, softmax);
 }
 
-// One consumer's loop, the products in sequence: S_j, its softmax, then P_j V_j, each waited
-// for before the next step (the two consumer warpgroups overlap each other by scheduling).
+// One work item, the products in sequence: S_j, its softmax, then P_j V_j, each waited for
+// before the next step (the two consumer warpgroups overlap each other by scheduling). On entry
+// stage ring.it holds the item's first tile (`info`) and Q has arrived.
 template <class T, int kD>
 __device__ void consume_serial(const kernel_params& p, const tile_work& w, int consumer,
-                               const shared_tiles<kD>& smem, barriers<tiles<kD>::kStages>& bar) {
-  using t = tiles<kD>;
+                               const shared_tiles<kD>& smem,
+                               consumer_ring<tiles<kD>::kStages>& ring, stage_info info) {
   constexpr int kS = kTileK / 2;  // accumulator floats of S per thread
   constexpr int kO = kD / 2;      // accumulator floats of O per thread
   const fragment_coords at(consumer);
@@ -172,17 +190,8 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
   fragment_softmax softmax;
   float rO[kO] = {};  // (64, kD) per warpgroup
 
-  bool q_ready = false;
-  for (int it = 0;; ++it) {
-    const int s = it % t::kStages;
-    const unsigned parity = (it / t::kStages) & 1;
-    mbar_wait(&bar.k_full[s], parity);
-    const stage_info info = read_stage_info(bar.info[s]);  // written before the arrival
-    if (info.tile == kNoMoreTiles) break;
-    if (!q_ready) {
-      mbar_wait(&bar.q_full, 0);
-      q_ready = true;
-    }
+  for (; info.tile != kNoMoreTiles; info = ring.next()) {
+    const int s = ring.stage(ring.it);
 
     // S = Q K^T
     float rS[kS];  // (64, kTileK) per warpgroup
@@ -202,7 +211,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
     to_a_fragments<T>(rS, rP);
 
     // O += P V
-    mbar_wait(&bar.v_full[s], parity);
+    mbar_wait(&ring.bar.v_full[s], ring.parity(ring.it));
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kTileK / 16; ++kk)
@@ -210,23 +219,40 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rO);
-
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) mbar_arrive(&bar.empty[s]);  // this warp is done with stage s
+    ring.release(s);
+    ++ring.it;
   }
+  ring.release_q();
+  ring.release(ring.stage(ring.it++));  // the stage that closed the item
   store_rows<T>(p, w, at, rO, softmax);
 }
 
-// The consumer's loop for head dim kD: overlapped at D = 128, where it is measured faster (P V
-// of 128 columns is long enough to hide a softmax), in sequence at D = 64, where the
-// overlapped loop measured 10 % slower (cuda/NOTES.md, version h4).
+// A consumer warpgroup's loop over the block's work items, each in the loop for head dim kD:
+// overlapped at D = 128, where it is measured faster (P V of 128 columns is long enough to hide
+// a softmax), in sequence at D = 64, where the overlapped loop measured 10 % slower
+// (cuda/NOTES.md, version h4). An item with no visible key writes (0, -inf) without waiting
+// for Q (none is loaded for it).
 template <class T, int kD>
-__device__ void consume(const kernel_params& p, const tile_work& w, int consumer,
-                        const shared_tiles<kD>& smem, barriers<tiles<kD>::kStages>& bar) {
-  if constexpr (tiles<kD>::kOverlap) {
-    consume_overlapped<T, kD>(p, w, consumer, smem, bar);
-  } else {
-    consume_serial<T, kD>(p, w, consumer, smem, bar);
+__device__ void consume(const kernel_params& p, int consumer, const shared_tiles<kD>& smem,
+                        barriers<tiles<kD>::kStages>& bar) {
+  consumer_ring<tiles<kD>::kStages> ring{bar};
+  for (;;) {
+    const stage_info first = ring.next();
+    if (first.work == kNoMoreWork) return;
+    const tile_work w = work_tile(p, first.work);
+    if (first.tile == kNoMoreTiles) {
+      ring.release(ring.stage(ring.it++));
+      fragment_softmax none;
+      float zero[kD / 2] = {};
+      store_rows<T>(p, w, fragment_coords(consumer), zero, none);
+      continue;
+    }
+    ring.wait_q();
+    if constexpr (tiles<kD>::kOverlap) {
+      consume_overlapped<T, kD>(p, w, consumer, smem, ring, first);
+    } else {
+      consume_serial<T, kD>(p, w, consumer, smem, ring, first);
+    }
   }
 }
 

@@ -1,8 +1,8 @@
 #pragma once
 // The producer role: one warp walks the key tiles that hold a visible key (tile_walker, the
 // block mask and causal / window / kv_len turned into a list of partial and full tiles on the
-// fly) and loads Q once and each tile's K and V with TMA into the next free stage. A query tile
-// with no visible key loads nothing: the first stage carries kNoMoreTiles at once.
+// fly) and loads each work item's Q once and each tile's K and V with TMA into the next free
+// stage. A query tile with no visible key loads nothing: its first stage closes it at once.
 
 #include <cstdint>
 
@@ -42,47 +42,81 @@ __device__ void load_v_rows_zero_tail(unsigned char* s_v, const kernel_params& p
   }
 }
 
-template <class T, int kD>
-__device__ void produce(const kernel_params& p, const tensor_maps& maps, const tile_work& w,
-                        const shared_tiles<kD>& smem, barriers<tiles<kD>::kStages>& bar) {
+// The producer warp's loop over the block's work items: for each, Q once (after the consumers
+// have read the previous item's Q), then each visible key tile's K and V into the next free
+// stage, then the item's closing stage; after the last item, the block's closing stage. The
+// stage ring and its phases run on across items.
+// The producer's counts: stages filled and Q tiles loaded so far, across work items.
+struct producer_counts {
+  int it = 0;
+  int q_loads = 0;
+};
+
+// The next free stage, once the consumers have released it.
+template <int kStages>
+__device__ __forceinline__ int next_stage(barriers<kStages>& bar, int it) {
+  const int s = it % kStages;
+  mbar_wait(&bar.empty[s], ((it / kStages) & 1) ^ 1);
+  return s;
+}
+
+// A stage without a tile: it closes work item `work`, or the block's items (kNoMoreWork).
+// Both of the stage's full barriers complete a phase, as for a tile, so that their phases stay
+// in step with the ring's count when the slot is used again (no consumer waits on v_full here).
+template <int kStages>
+__device__ __forceinline__ void close_stage(barriers<kStages>& bar, int it, int work) {
+  const int s = next_stage(bar, it);
+  if (threadIdx.x % 32 == 0) {
+    bar.info[s] = {kNoMoreTiles, 0, work, 0};
+    mbar_arrive(&bar.v_full[s]);
+    mbar_arrive(&bar.k_full[s]);
+  }
+}
+
+// One work item: Q once (after the consumers have read the previous item's Q), then each
+// visible key tile's K and V into the next free stage, then the stage that closes the item.
+// Not inlined: the loop over items then keeps only its counts live across this body, whose
+// registers (the walker's) fit the producer's small budget.
+template <class T, int kD, class Params>
+__device__ __noinline__ producer_counts produce_item(const Params& hp, unsigned char* raw,
+                                                     barriers<tiles<kD>::kStages>& bar, int work,
+                                                     producer_counts n) {
   using t = tiles<kD>;
+  const kernel_params& p = hp.p;
+  const tensor_maps& maps = hp.maps;
+  const shared_tiles<kD> smem(raw);  // rebuilt here: fewer registers live across the call
   const bool leader = threadIdx.x % 32 == 0;
+  const tile_work w = work_tile(p, work);
   tile_walker<kTileK> walker(p.mask, w.b, w.h, w.q0, w.q1);
   std::int64_t tile = 0;
   bool full = false;
   bool have = walker.next(tile, full);
-  if (have && leader) {
-    mbar_arrive_expect_tx(&bar.q_full, t::kQBytes);
-    for (int c = 0; c < t::kBoxes; ++c) {
-      tma_load_4d(smem.q + c * t::kQBoxBytes, &maps.q, c * kBoxCols, int(w.q0), int(w.h), int(w.b),
-                  &bar.q_full);
-    }
-  }
-  int it = 0;
-  for (;; ++it) {
-    const int s = it % t::kStages;
-    mbar_wait(&bar.empty[s], ((it / t::kStages) & 1) ^ 1);  // the consumers released stage s
-    if (!have) {
-      if (leader) {
-        bar.info[s] = {kNoMoreTiles, 0};
-        mbar_arrive(&bar.k_full[s]);
+  if (have) {
+    mbar_wait(&bar.q_empty, (n.q_loads & 1) ^ 1);  // the consumers are done with the last Q
+    if (leader) {
+      mbar_arrive_expect_tx(&bar.q_full, t::kQBytes);
+      for (int c = 0; c < t::kBoxes; ++c) {
+        tma_load_4d(smem.q + c * t::kQBoxBytes, &maps.q, c * kBoxCols, w.q0, w.h, w.b, &bar.q_full);
       }
-      return;
     }
+    ++n.q_loads;
+  }
+  for (; have; have = walker.next(tile, full)) {
+    const int s = next_stage(bar, n.it);
     const std::int64_t k0 = tile * kTileK;
     const bool v_tail = k0 + kTileK > walker.key_end && walker.key_end < p.len_k;
     if (leader) {
-      bar.info[s] = {int(tile), full ? 1 : 0};
+      bar.info[s] = {int(tile), full ? 1 : 0, work, 0};
       mbar_arrive_expect_tx(&bar.k_full[s], t::kKVBytes);
       for (int c = 0; c < t::kBoxes; ++c) {
-        tma_load_4d(smem.k_stage(s) + c * t::kKVBoxBytes, &maps.k, c * kBoxCols, int(k0), int(w.hk),
-                    int(w.b), &bar.k_full[s]);
+        tma_load_4d(smem.k_stage(s) + c * t::kKVBoxBytes, &maps.k, c * kBoxCols, int(k0), w.hk, w.b,
+                    &bar.k_full[s]);
       }
       if (!v_tail) {
         mbar_arrive_expect_tx(&bar.v_full[s], t::kKVBytes);
         for (int c = 0; c < t::kBoxes; ++c) {
-          tma_load_4d(smem.v_stage(s) + c * t::kKVBoxBytes, &maps.v, c * kBoxCols, int(k0),
-                      int(w.hk), int(w.b), &bar.v_full[s]);
+          tma_load_4d(smem.v_stage(s) + c * t::kKVBoxBytes, &maps.v, c * kBoxCols, int(k0), w.hk,
+                      w.b, &bar.v_full[s]);
         }
       }
     }
@@ -92,8 +126,23 @@ __device__ void produce(const kernel_params& p, const tensor_maps& maps, const t
       __syncwarp();
       if (leader) mbar_arrive(&bar.v_full[s]);
     }
-    have = walker.next(tile, full);
+    ++n.it;
   }
+  close_stage(bar, n.it++, work);
+  return n;
+}
+
+// The producer warp's loop over the block's work items; the stage ring and its phases run on
+// across items, and after the last one a stage closes the block's items. Params: p (the
+// problem), maps (tensor_maps) and work_counter (scheduler.cuh's next_work).
+template <class T, int kD, class Params>
+__device__ void produce(const Params& hp, unsigned char* raw, barriers<tiles<kD>::kStages>& bar) {
+  const int items = static_cast<int>(work_items(hp.p));  // < 2^31: launch checks
+  producer_counts n;
+  for (int work = static_cast<int>(blockIdx.x); work < items;
+       work = next_work(work, hp.work_counter))
+    n = produce_item<T, kD>(hp, raw, bar, work, n);
+  close_stage(bar, n.it, kNoMoreWork);
 }
 
 }  // namespace flashref::cuda::detail::sm90

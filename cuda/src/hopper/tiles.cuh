@@ -26,7 +26,7 @@ inline constexpr int kAtomBytes = 1024;  // 8 rows of 128 bytes
 // (168 - kProducerRegs) * 128 >= (kConsumerRegs - 168) * 256; otherwise setmaxnreg.inc waits
 // forever.
 inline constexpr int kLaunchRegs = 168;
-inline constexpr int kProducerRegs = 64;
+inline constexpr int kProducerRegs = 72;
 inline constexpr int kConsumerRegs = 216;
 static_assert((kLaunchRegs - kProducerRegs) * 128 >=
                   (kConsumerRegs - kLaunchRegs) * 128 * kConsumers,
@@ -49,12 +49,17 @@ struct tiles {
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kAtomBytes;
 };
 
-// What the producer tells the consumers about the key tile in a stage.
-struct alignas(8) stage_info {
+// What the producer tells the consumers about the key tile in a stage. Each work item's tiles
+// are followed by a stage with tile = kNoMoreTiles (an item with no visible key has that stage
+// alone), and the block's last item by a stage with work = kNoMoreWork.
+struct alignas(16) stage_info {
   int tile;  // key tile index, or kNoMoreTiles
   int full;  // 1: every (row, key) pair of the tile is visible, no element mask
+  int work;  // the work item (scheduler.cuh) the tile belongs to, or kNoMoreWork
+  int unused;
 };
 inline constexpr int kNoMoreTiles = -1;
+inline constexpr int kNoMoreWork = -1;
 
 // Stage s's descriptor as a consumer warp reads it: lane 0 loads it and hands it to the other
 // lanes. The load and the warp's later arrival on empty[s] (made by lane 0) are then in one
@@ -63,15 +68,16 @@ inline constexpr int kNoMoreTiles = -1;
 // execute it on every lane and keep lane 0's value (a plain load it hoisted out of the branch:
 // harmless, but a read racecheck reports against the producer's next write).
 __device__ __forceinline__ stage_info read_stage_info(const stage_info& slot) {
-  stage_info info{0, 0};
+  stage_info info{0, 0, 0, 0};
   if ((threadIdx.x & 31) == 0) {
-    asm volatile("ld.shared.v2.s32 {%0, %1}, [%2];\n"
-                 : "=r"(info.tile), "=r"(info.full)
+    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(info.tile), "=r"(info.full), "=r"(info.work), "=r"(info.unused)
                  : "r"(smem_addr(&slot))
                  : "memory");
   }
   info.tile = __shfl_sync(kFullWarp, info.tile, 0);
   info.full = __shfl_sync(kFullWarp, info.full, 0);
+  info.work = __shfl_sync(kFullWarp, info.work, 0);
   return info;
 }
 
@@ -113,6 +119,7 @@ struct shared_tiles {
 template <int kStages>
 struct barriers {
   std::uint64_t q_full;
+  std::uint64_t q_empty;  // one arrival per consumer warp: Q of the current item is read
   std::uint64_t k_full[kStages];
   std::uint64_t v_full[kStages];
   std::uint64_t empty[kStages];  // one arrival per consumer warp
@@ -120,6 +127,7 @@ struct barriers {
 
   __device__ void init() {
     mbar_init(&q_full, 1);
+    mbar_init(&q_empty, 4 * kConsumers);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], 1);
       mbar_init(&v_full[s], 1);
