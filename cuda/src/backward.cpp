@@ -64,11 +64,16 @@ kernel_kind choose_backward(const device_backward_problem& p) {
   const bool tc = tensor_core_backward_applies(p);
   switch (p.forward.kernel) {
     case kernel_choice::automatic:
-      return tc ? kernel_kind::tensor_core : kernel_kind::simt;
+      if (tc) return hopper_runs_here() ? kernel_kind::hopper : kernel_kind::tensor_core;
+      return kernel_kind::simt;
     case kernel_choice::hopper:
-      throw problem_error(
-          "kernel: expected automatic, tensor_core or simt for the backward (there is no hopper "
-          "backward), got hopper");
+      if (!tc || !hopper_runs_here()) {
+        throw problem_error(
+            "kernel: expected a problem the hopper backward takes (a build with it, compute "
+            "capability 9.0, bf16 or fp16, D = Dv in {64, 128}, 16-byte rows, d_o in the input "
+            "dtype), got another");
+      }
+      return kernel_kind::hopper;
     case kernel_choice::tensor_core:
       if (!tc) {
         throw problem_error(
@@ -126,16 +131,27 @@ void enqueue_backward(const device_backward_problem& p, kernel_kind kernel, cons
   const input_dtype in = p.forward.q.dtype;
   cudaError_t e = detail::launch_backward_delta(bp, stream);
   if (e == cudaSuccess) {
-    e = kernel == kernel_kind::tensor_core
-            ? detail::launch_tensor_core_backward(bp, to_elem(in), stream)
-            : detail::launch_simt_backward(bp, to_elem(in), stream);
+    switch (kernel) {
+      case kernel_kind::hopper:
+#if defined(FLASHREF_CUDA_HOPPER)
+        e = detail::launch_hopper_backward(bp, to_elem(in), stream);
+#endif
+        break;
+      case kernel_kind::tensor_core:
+        e = detail::launch_tensor_core_backward(bp, to_elem(in), stream);
+        break;
+      case kernel_kind::simt:
+        e = detail::launch_simt_backward(bp, to_elem(in), stream);
+        break;
+    }
   }
   if (p.workspace == nullptr) {
     const cudaError_t freed = cudaFreeAsync(ws, stream);
     if (e == cudaSuccess) e = freed;
   }
-  check(e, kernel == kernel_kind::tensor_core ? "tensor-core backward launch"
-                                              : "SIMT backward launch");
+  check(e, kernel == kernel_kind::hopper        ? "hopper backward launch"
+           : kernel == kernel_kind::tensor_core ? "tensor-core backward launch"
+                                                : "SIMT backward launch");
 }
 
 }  // namespace
@@ -159,11 +175,6 @@ void attention_backward(const device_backward_problem& p, cudaStream_t stream) {
 void attention_backward(const attention_problem& p, const attention_gradients& g,
                         kernel_choice kernel) {
   validate_backward(p, g);
-  if (kernel == kernel_choice::hopper) {
-    device_backward_problem probe;
-    probe.forward.kernel = kernel;
-    choose_backward(probe);  // throws: there is no Hopper backward
-  }
   const std::int64_t B = p.batch(), Hq = p.heads_q(), Hk = p.heads_k();
   const std::int64_t Lq = p.len_q(), Lk = p.len_k(), D = p.head_dim(), Dv = p.head_dim_v();
 

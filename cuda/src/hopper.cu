@@ -27,6 +27,7 @@
 #include "hopper/consumer.cuh"
 #include "hopper/producer.cuh"
 #include "hopper/scheduler.cuh"
+#include "hopper/tensor_map.hpp"
 #include "hopper/tiles.cuh"
 #include "launch.hpp"
 
@@ -74,62 +75,21 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
 #endif
 }
 
-// cuTensorMapEncodeTiled from the driver, found through the runtime (no link to libcuda).
-PFN_cuTensorMapEncodeTiled_v12000 encode_tiled() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      ptr = nullptr;
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-  }();
-  return fn;
-}
-
-// A (D, L, H, B) map over a (B, H, L, D) tensor with the given element strides; boxes of
-// (64, rows, 1, 1) written to shared memory in the 128-byte swizzle layout; reads past the
-// extent give zeros. A dimension of extent 1 gets a nominal stride (its coordinate is 0).
-cudaError_t make_map(CUtensorMap* map, const void* base, elem input, std::int64_t B, std::int64_t H,
-                     std::int64_t L, std::int64_t D, const std::int64_t* stride, int rows) {
-  const auto fn = encode_tiled();
-  if (fn == nullptr) return cudaErrorNotSupported;
-  // No extent may be 0; with L = 0 no tile is ever loaded, so any extent describes it.
-  L = L > 0 ? L : 1;
-  const cuuint64_t dims[4] = {cuuint64_t(D), cuuint64_t(L), cuuint64_t(H), cuuint64_t(B)};
-  cuuint64_t strides[3];
-  std::int64_t packed = D * 2;
-  const std::int64_t extent[3] = {L, H, B};
-  for (int i = 0; i < 3; ++i) {
-    const std::int64_t bytes = stride[2 - i] * 2;
-    strides[i] = cuuint64_t(extent[i] == 1 || bytes <= 0 ? (packed + 15) / 16 * 16 : bytes);
-    packed = std::int64_t(strides[i]) * extent[i];
-  }
-  const cuuint32_t box[4] = {cuuint32_t(sm90::kBoxCols), cuuint32_t(rows), 1, 1};
-  const cuuint32_t unit[4] = {1, 1, 1, 1};
-  const CUresult r = fn(
-      map, input == elem::f16 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-      4, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-      CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
 template <class T, int kD>
 cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_counter, int sm_count,
                    cudaStream_t stream) {
   hopper_params hp{};
   hp.p = p;
   hp.work_counter = work_counter;
-  cudaError_t e =
-      make_map(&hp.maps.q, p.q, input, p.batch, p.heads_q, p.len_q, kD, p.q_stride, sm90::kTileQ);
+  cudaError_t e = sm90::make_map(&hp.maps.q, p.q, input, p.batch, p.heads_q, p.len_q, kD,
+                                 p.q_stride, sm90::kTileQ);
   if (e == cudaSuccess) {
-    e = make_map(&hp.maps.k, p.k, input, p.batch, p.heads_k, p.len_k, kD, p.k_stride, sm90::kTileK);
+    e = sm90::make_map(&hp.maps.k, p.k, input, p.batch, p.heads_k, p.len_k, kD, p.k_stride,
+                       sm90::kTileK);
   }
   if (e == cudaSuccess) {
-    e = make_map(&hp.maps.v, p.v, input, p.batch, p.heads_k, p.len_k, kD, p.v_stride, sm90::kTileK);
+    e = sm90::make_map(&hp.maps.v, p.v, input, p.batch, p.heads_k, p.len_k, kD, p.v_stride,
+                       sm90::kTileK);
   }
   if (e != cudaSuccess) return e;
   constexpr int kSmem = sm90::tiles<kD>::kSmemBytes;

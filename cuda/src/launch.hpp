@@ -82,6 +82,10 @@ cudaError_t launch_backward_delta(const backward_params& p, cudaStream_t stream)
 // type with the same layout rule): dK, dV per key tile, then dQ by its own pass.
 cudaError_t launch_tensor_core_backward(const backward_params& p, elem input, cudaStream_t stream);
 
+// The Hopper backward (sm_90a: wgmma, TMA, warp specialisation): the same problems as
+// launch_tensor_core_backward, on a device of compute capability 9.0 only.
+cudaError_t launch_hopper_backward(const backward_params& p, elem input, cudaStream_t stream);
+
 // The float32 SIMT backward: any strides, head dims up to kSimtMaxHeadDim, any dtypes.
 cudaError_t launch_simt_backward(const backward_params& p, elem input, cudaStream_t stream);
 

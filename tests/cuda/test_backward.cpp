@@ -48,10 +48,37 @@ bool tensor_core_dims(const problem_shape& s) {
 
 // The kernels to run a dtype on, each forced: simt, and tensor_core too for half precision at
 // its head dims (automatic takes one of the two: tests/cuda checks the choice below).
+// Can the Hopper backward run here (a build with it, compute capability 9.0)? Asked of the
+// library: forcing it on a problem it takes throws exactly when it cannot run.
+bool hopper_backward_device() {
+  fc::device_backward_problem dp;
+  alignas(16) static float dummy[4] = {};  // never read: only shapes and dtypes are checked
+  const std::array<std::int64_t, 4> shape{1, 1, 16, 64}, stride{1024, 1024, 64, 1};
+  dp.forward.q = dp.forward.k = dp.forward.v = {dummy, input_dtype::bfloat16, shape, stride};
+  dp.forward.o = {dummy, input_dtype::float32, shape, stride};
+  dp.forward.lse = {dummy, input_dtype::float32, {1, 1, 16}, {16, 16, 1}};
+  dp.d_o = dp.forward.q;
+  dp.d_q = dp.d_k = dp.d_v = {dummy, input_dtype::float32, shape, stride};
+  dp.forward.kernel = fc::kernel_choice::hopper;
+  try {
+    return std::string(fc::backward_kernel_for(dp)) == "hopper";
+  } catch (const problem_error&) {
+    return false;
+  }
+}
+
+// The half-precision backward kernels, each forced: the Hopper one only where it can run.
+std::vector<fc::kernel_choice> half_backward_kernels() {
+  std::vector<fc::kernel_choice> k{fc::kernel_choice::tensor_core};
+  if (hopper_backward_device()) k.push_back(fc::kernel_choice::hopper);
+  return k;
+}
+
 std::vector<fc::kernel_choice> backward_kernels(input_dtype dtype, const problem_shape& s) {
   std::vector<fc::kernel_choice> k{fc::kernel_choice::simt};
   if (dtype != input_dtype::float32 && tensor_core_dims(s)) {
-    k.push_back(fc::kernel_choice::tensor_core);
+    for (const fc::kernel_choice half : half_backward_kernels())
+      k.push_back(half);
   }
   return k;
 }
@@ -91,7 +118,7 @@ TEST_CASE("cuda backward passes every backward fixture on every kernel",
   // The fixture folder: FLASHREF_TESTDATA_DIR in the environment, else the source tree's.
   const char* env = std::getenv("FLASHREF_TESTDATA_DIR");
   const std::filesystem::path dir = env != nullptr ? env : FLASHREF_TESTDATA_DIR;
-  int on_simt = 0, on_tensor_cores = 0;
+  int on_simt = 0, on_tensor_cores = 0, on_hopper = 0;
   for (const flashref::testdata::case_info& c : flashref::testdata::cases()) {
     const flashref::testdata::fixture fx = flashref::testdata::read_fixture(dir / (c.name + ".h5"));
     if (!fx.grads) continue;  // the case states why it has none (test_fixtures checks that)
@@ -120,6 +147,7 @@ TEST_CASE("cuda backward passes every backward fixture on every kernel",
           flashref::compare_gradient(gold.dv, gather(g.dv).data(), Dv, gold.key_unseen, dtype));
       on_simt += kernel == fc::kernel_choice::simt;
       on_tensor_cores += kernel == fc::kernel_choice::tensor_core;
+      on_hopper += kernel == fc::kernel_choice::hopper;
     }
   }
   // Every fixture with gradients (test_fixtures counts at least 27) on the float32 kernel, and
@@ -127,6 +155,7 @@ TEST_CASE("cuda backward passes every backward fixture on every kernel",
   // half_inputs_fp16 (the other twins carry no gradients).
   CHECK(on_simt >= 27);
   CHECK(on_tensor_cores >= 2);
+  CHECK(on_hopper == (hopper_backward_device() ? on_tensor_cores : 0));
 }
 
 TEST_CASE("cuda backward: the backward catalogue on every kernel", "[cuda][backward]") {
@@ -177,7 +206,9 @@ TEST_CASE("cuda backward: block-sparse with empty query-block rows and key tiles
     REQUIRE(empty > 0);
     REQUIRE(unseen > 0);
   }
-  for (const fc::kernel_choice kernel : {fc::kernel_choice::tensor_core, fc::kernel_choice::simt}) {
+  std::vector<fc::kernel_choice> kernels = half_backward_kernels();
+  kernels.push_back(fc::kernel_choice::simt);
+  for (const fc::kernel_choice kernel : kernels) {
     CAPTURE(s.describe());
     problem_data dk = base;
     run_and_check(dk, dtype, kernel, 70);
@@ -188,7 +219,9 @@ TEST_CASE("cuda backward is bitwise deterministic from run to run", "[cuda][back
   problem_shape s;
   s.B = 1, s.Hq = 8, s.Hk = 2, s.Lq = 500, s.Lk = 700, s.D = s.Dv = GENERATE(64, 128);
   s.block_q = 64, s.block_k = 128, s.block_density = 0.7, s.causal = causal_mode::bottom_right;
-  for (const fc::kernel_choice kernel : {fc::kernel_choice::tensor_core, fc::kernel_choice::simt}) {
+  std::vector<fc::kernel_choice> kernels = half_backward_kernels();
+  kernels.push_back(fc::kernel_choice::simt);
+  for (const fc::kernel_choice kernel : kernels) {
     CAPTURE(s.describe(), name_of(kernel));
     problem_data d = flashref::test::build({"determinism", s, 71}, input_dtype::bfloat16);
     fc::attention(d.problem());
@@ -259,7 +292,10 @@ TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, 
   s.causal = causal_mode::bottom_right, s.use_kv_len = true;
   // The caller's workspace, or none: the entry then allocates it on the stream.
   const bool caller_workspace = GENERATE(true, false);
-  CAPTURE(s.describe(), caller_workspace);
+  const fc::kernel_choice kernel =
+      GENERATE(fc::kernel_choice::tensor_core, fc::kernel_choice::hopper);
+  if (kernel == fc::kernel_choice::hopper && !hopper_backward_device()) return;
+  CAPTURE(s.describe(), caller_workspace, name_of(kernel));
   problem_data d = flashref::test::build({"device entry", s, 72}, input_dtype::bfloat16);
   fc::attention(d.problem());  // O, LSE in float32 on the host
   flashref::test::add_upstream_gradient(d, 72);
@@ -289,7 +325,7 @@ TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, 
   std::vector<std::int32_t> kv_len(p.kv_len, p.kv_len + s.B);
   dp.forward.kv_len = static_cast<const std::int32_t*>(mem.upload(kv_len));
   dp.forward.causal = p.causal;
-  dp.forward.kernel = fc::kernel_choice::tensor_core;
+  dp.forward.kernel = kernel;
   dp.d_o = blhd_tensor(mem.upload(blhd_bits(g.d_o)), bf, g.d_o.shape);
   const auto out = [&](const std::array<std::int64_t, 4>& shape) {
     return blhd_tensor(mem.alloc(std::size_t(shape[0] * shape[1] * shape[2] * shape[3]) * 2), bf,
@@ -302,7 +338,7 @@ TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, 
     dp.workspace_bytes = fc::backward_workspace_bytes(dp);
     dp.workspace = mem.alloc(dp.workspace_bytes);
   }
-  REQUIRE(std::string(fc::backward_kernel_for(dp)) == "tensor_core");
+  REQUIRE(std::string(fc::backward_kernel_for(dp)) == name_of(kernel));
   fc::attention_backward(dp, stream);
   cuda_check(cudaStreamSynchronize(stream));
   cuda_check(cudaStreamDestroy(stream));
@@ -352,8 +388,9 @@ TEST_CASE("cuda backward: kernel choice and errors name the field", "[cuda][back
   problem_data d = flashref::test::build({"errors", s, 74}, input_dtype::bfloat16);
   fc::attention(d.problem());
   flashref::test::add_upstream_gradient(d, 74);
+  // D = 32: no tensor-core backward takes it, forced or not.
   REQUIRE_THROWS_WITH(fc::attention_backward(d.problem(), d.gradients(), fc::kernel_choice::hopper),
-                      Catch::Contains("there is no hopper backward"));
+                      Catch::StartsWith("kernel: expected a problem the hopper backward takes"));
   REQUIRE_THROWS_WITH(
       fc::attention_backward(d.problem(), d.gradients(), fc::kernel_choice::tensor_core),
       Catch::StartsWith("kernel: expected a problem the tensor_core backward takes"));
@@ -370,7 +407,8 @@ TEST_CASE("cuda backward: kernel choice and errors name the field", "[cuda][back
   dp.forward.lse = {dummy, input_dtype::float32, {1, 1, 16}, {16, 16, 1}};
   dp.d_o = dp.forward.q;
   dp.d_q = dp.d_k = dp.d_v = {dummy, input_dtype::float32, shape, stride};
-  REQUIRE(std::string(fc::backward_kernel_for(dp)) == "tensor_core");  // automatic
+  REQUIRE(std::string(fc::backward_kernel_for(dp)) ==
+          (hopper_backward_device() ? "hopper" : "tensor_core"));  // automatic
   dp.forward.kernel = fc::kernel_choice::simt;
   REQUIRE(std::string(fc::backward_kernel_for(dp)) == "simt");
   dp.forward.kernel = fc::kernel_choice::automatic;

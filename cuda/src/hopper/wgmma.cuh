@@ -74,6 +74,15 @@ __device__ __forceinline__ void fence_operands(float (&d)[kN]) {
       "{" FLASHREF_WGMMA_D64_REGS "}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
       : FLASHREF_WGMMA_D64_OPS                                       \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+// ss, N = 64: the same with a 64-column B (the backward's products over 64 rows or keys).
+#define FLASHREF_WGMMA_SS_N64(TY)                                    \
+  asm volatile(                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                   \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY        \
+      " "                                                            \
+      "{" FLASHREF_WGMMA_D32_REGS "}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
+      : FLASHREF_WGMMA_D32_OPS                                       \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 // rs: D += A B, A (four registers) from registers. A_REGS, DESC and PRED name the operands
 // that follow the accumulator's.
 #define FLASHREF_WGMMA_RS(N, TY, D_REGS, D_OPS, A_REGS, DESC, PRED)        \
@@ -93,6 +102,17 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], std::uint64_t desc
     FLASHREF_WGMMA_SS_N128("f16");
   } else {
     FLASHREF_WGMMA_SS_N128("bf16");
+  }
+}
+
+// D (64 x 64) = A B (scale_d == 0) or D + A B (scale_d == 1).
+template <class T>
+__device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], std::uint64_t desc_a,
+                                             std::uint64_t desc_b, int scale_d) {
+  if constexpr (std::is_same_v<T, __half>) {
+    FLASHREF_WGMMA_SS_N64("f16");
+  } else {
+    FLASHREF_WGMMA_SS_N64("bf16");
   }
 }
 
@@ -124,6 +144,7 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const std::uint32_
 
 #undef FLASHREF_WGMMA_RS
 #undef FLASHREF_WGMMA_SS_N128
+#undef FLASHREF_WGMMA_SS_N64
 #undef FLASHREF_WGMMA_D64_OPS
 #undef FLASHREF_WGMMA_D32_OPS
 #undef FLASHREF_WGMMA_D64_REGS

@@ -23,16 +23,17 @@
 
 namespace flashref::cuda {
 
-// Which kernel runs a backward. There is no Hopper backward: kernel_choice::hopper throws.
+// Which kernel runs a backward.
 //
 // clang-format off
 // | kernel      | input       | D = Dv       | layout of q, k, v, d_o                              |
 // | ----------- | ----------- | ------------ | --------------------------------------------------- |
+// | hopper      | bf16, fp16  | 64, 128      | as tensor_core; compute capability 9.0 (sm_90a)     |
 // | tensor_core | bf16, fp16  | 64, 128      | unit stride along D, 16-byte rows; d_o in q's dtype |
 // | simt        | any         | D, Dv <= 256 | any strides                                         |
 // clang-format on
 //
-// `automatic` takes tensor_core where it applies, else simt.
+// `automatic` takes hopper where it applies, else tensor_core where it applies, else simt.
 
 // The backward of SPEC §9 over caller-owned device memory.
 struct device_backward_problem {

@@ -1,0 +1,153 @@
+#pragma once
+// The Hopper backward's tiles, barriers and its one elementwise step (SPEC §9), shared by its two
+// kernels (hopper_backward.cu):
+//
+//   dK, dV kernel (key-major): a block owns kBwdKeys keys of one (batch, key/value head), K and
+//     V resident in shared memory; its consumer warpgroup c owns keys [64 c, 64 c + 64). Query
+//     tiles of kBwdRows rows stream through a ring of stages (Q, dO by TMA; the rows' LSE and
+//     Delta by the producer warp):
+//         Sᵀ = K Qᵀ, dPᵀ = V dOᵀ                 wgmma m64n64, both operands in shared memory
+//         Pᵀ = exp(Sᵀ scale − LSE), dSᵀ = Pᵀ ∘ (dPᵀ − Delta)     gradient_step, per element
+//         dV += Pᵀ dO, dK += dSᵀ Q               wgmma m64n{D}, Pᵀ and dSᵀ from registers
+//   dQ kernel (query-major, the forward's shape): a block owns kBwdQRows rows, Q and dO
+//     resident; key tiles of kBwdQKeys keys stream through the ring (K, V by TMA):
+//         S = Q Kᵀ, dP = dO Vᵀ                   wgmma m64n64
+//         P = exp(S scale − LSE), dS = P ∘ (dP − Delta)          gradient_step
+//         dQ += dS K                             wgmma m64n{D}, dS from registers
+//
+// Every tile is stored as D / 64 boxes of (rows, 64) in the 128-byte swizzle layout (sm90.cuh).
+
+#include <cstdint>
+
+#include "../common.cuh"
+#include "../launch.hpp"
+#include "sm90.cuh"
+#include "tiles.cuh"
+
+namespace flashref::cuda::detail::sm90 {
+
+inline constexpr int kBwdKeys = 128;   // dK, dV kernel: keys per block (two consumers of 64)
+inline constexpr int kBwdRows = 64;    // dK, dV kernel: query rows per stage
+inline constexpr int kBwdQRows = 128;  // dQ kernel: query rows per block (two consumers of 64)
+inline constexpr int kBwdQKeys = 64;   // dQ kernel: keys per stage
+inline constexpr int kBwdStages = 2;
+// Registers per thread after setmaxnreg (the budget must balance, tiles.cuh). The dK, dV kernel's
+// consumers hold dK and dV (2 x D / 2 floats), Sᵀ and dPᵀ (2 x 32) and their A fragments at
+// once: 224, its producer 56 (ptxas spills at 216). The dQ kernel's producer walks key tiles
+// and zero-fills the kv_len tail: 64 (it spills at 56), its consumers 216.
+template <int kProducer, int kConsumer>
+struct register_split {
+  static constexpr int kProducerRegs = kProducer;
+  static constexpr int kConsumerRegs = kConsumer;
+  static_assert((kLaunchRegs - kProducer) * 128 >= (kConsumer - kLaunchRegs) * 128 * kConsumers,
+                "the consumers take no more registers than the producer gives");
+};
+using dkdv_registers = register_split<56, 224>;
+using dq_registers = register_split<64, 216>;
+
+// A (rows, kD) tile as kD / 64 boxes of (rows, 64) 16-bit elements in the 128-byte swizzle.
+template <int kRows, int kD>
+struct box_tile {
+  static constexpr int kBoxBytes = kRows * 128;
+  static constexpr int kBytes = (kD / kBoxCols) * kBoxBytes;
+
+  // K-major operand (the head dim is the k dimension): rows [row0, row0 + 64 or n) of the tile,
+  // k-step ks (16 columns of the head dim).
+  __device__ static std::uint64_t k_major(const unsigned char* base, int row0, int ks) {
+    return sw128_desc(smem_addr(base) + (ks / 4) * kBoxBytes + row0 * 128 + (ks % 4) * 32, 16,
+                      kAtomBytes);
+  }
+  // MN-major operand (the rows are the k dimension, the head dim the n dimension): rows
+  // [16 kk, 16 kk + 16), every column.
+  __device__ static std::uint64_t mn_major(const unsigned char* base, int kk) {
+    return sw128_desc(smem_addr(base) + kk * 16 * 128, kBoxBytes, kAtomBytes);
+  }
+};
+
+// What the producer tells the consumers about the tile in a stage: the query tile and its head
+// (dK, dV kernel) or the key tile (dQ kernel), and whether every pair in it is visible.
+struct alignas(16) bwd_stage_info {
+  int tile;  // tile index, or kNoMoreTiles
+  int head;  // query head (dK, dV kernel)
+  int full;  // 1: no element mask
+  int unused;
+};
+
+// Stage s's descriptor as a consumer warp reads it: lane 0 alone loads it (inline PTX, so that
+// the load cannot run on every lane) and hands it on; see read_stage_info in tiles.cuh.
+__device__ __forceinline__ bwd_stage_info read_bwd_stage_info(const bwd_stage_info& slot) {
+  bwd_stage_info info{0, 0, 0, 0};
+  if ((threadIdx.x & 31) == 0) {
+    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(info.tile), "=r"(info.head), "=r"(info.full), "=r"(info.unused)
+                 : "r"(smem_addr(&slot))
+                 : "memory");
+  }
+  info.tile = __shfl_sync(kFullWarp, info.tile, 0);
+  info.head = __shfl_sync(kFullWarp, info.head, 0);
+  info.full = __shfl_sync(kFullWarp, info.full, 0);
+  return info;
+}
+
+// The barriers of either kernel: `resident` for the tiles loaded once (K and V, or Q and dO),
+// full / empty per stage; the dK, dV kernel's stages also carry their rows' LSE (as the
+// exponent base, below) and Delta.
+struct bwd_barriers {
+  std::uint64_t resident;
+  std::uint64_t full[kBwdStages];
+  std::uint64_t empty[kBwdStages];  // one arrival per consumer warp
+  bwd_stage_info info[kBwdStages];
+  float lse_base[kBwdStages][kBwdRows];  // exp_base(LSE) log2 e of the stage's rows
+  float delta[kBwdStages][kBwdRows];
+
+  __device__ void init() {
+    mbar_init(&resident, 1);
+    for (int s = 0; s < kBwdStages; ++s) {
+      mbar_init(&full[s], 1);
+      mbar_init(&empty[s], 4 * kConsumers);
+    }
+    mbar_init_fence();
+  }
+};
+
+// A row's LSE as the base of its probabilities' exponent, pre-multiplied by log2 e: the
+// reference's guard, exp_base, so that an empty row's LSE = −inf gives base 0 (never
+// −inf − (−inf)); every pair of such a row is masked, so its P is 0 by selection.
+__device__ __forceinline__ float lse_exponent_base(float lse) {
+  return online_softmax<float>::exp_base(lse) * kLog2e;
+}
+
+// SPEC §9's elementwise step for one (row, key) pair: s (the raw score) becomes
+// P = exp(s scale − LSE), dp becomes dS = P (dP − Delta); a masked pair gets P = dS = 0 by
+// selection, never by a product (its score may come from uninitialised keys).
+__device__ __forceinline__ void gradient_step(float& s, float& dp, bool on, float base_log2,
+                                              float delta, float scale) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(fmaf(s * scale, kLog2e, -base_log2)));
+  const float pij = on ? y : 0.f;
+  dp = on ? pij * (dp - delta) : 0.f;
+  s = pij;
+}
+
+// Rows [r0, r0 + kRows) of a (rows, kD) global tile into a box_tile with rows at or past
+// row_end zero-filled, by the 32 lanes of a warp with ordinary loads and stores in the layout
+// TMA would have written: for the key tile that straddles kv_len, whose keys past it may be
+// uninitialised and would meet dS = 0 in a product (0 × NaN).
+template <class T, int kRows, int kD>
+__device__ void load_rows_zero_tail(unsigned char* dst, const T* g, std::int64_t row_stride,
+                                    std::int64_t r0, std::int64_t row_end) {
+  constexpr int kChunks = kD / 8;  // 16-byte chunks per row
+  for (int idx = static_cast<int>(threadIdx.x % 32); idx < kRows * kChunks; idx += 32) {
+    const int row = idx / kChunks;
+    const int chunk = idx % kChunks;
+    uint4 data = make_uint4(0, 0, 0, 0);
+    if (r0 + row < row_end) {
+      data = *reinterpret_cast<const uint4*>(g + (r0 + row) * row_stride + chunk * 8);
+    }
+    const int swizzled = (chunk % 8) ^ (row % 8);
+    *reinterpret_cast<uint4*>(dst + (chunk / 8) * box_tile<kRows, kD>::kBoxBytes + row * 128 +
+                              swizzled * 16) = data;
+  }
+}
+
+}  // namespace flashref::cuda::detail::sm90

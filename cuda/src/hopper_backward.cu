@@ -1,0 +1,563 @@
+// The Hopper backward (sm_90a; bf16 / fp16 inputs, fp32 accumulation): SPEC §9 on the forward's
+// machinery (TMA, mbarrier rings, wgmma, setmaxnreg), in two kernels that each own what they
+// write, so that every sum has one fixed order (bitwise deterministic, no atomics):
+//
+//  - dK, dV: a block of three warpgroups per 128 keys of one (batch, key/value head). The
+//    producer warp loads K and V once and walks the query heads of the GQA group and, for each,
+//    only the query tiles that see the block's keys (query_tile_walker), loading Q and dO by TMA
+//    and the rows' LSE and Delta into a ring of stages; each consumer warpgroup holds dK and dV
+//    of its 64 keys in registers (hopper/backward.cuh has the products).
+//  - dQ: a block per 128 query rows of one (batch, head), the forward's structure: Q and dO
+//    loaded once, the key tiles the rows see (tile_walker) streaming K and V.
+//
+// A key tile no row sees writes dK = dV = 0 and a query tile with no visible key dQ = 0, without
+// waiting for anything to load. The mma.sync backward (tensor_core_backward.cu) takes the same
+// problems on other GPUs.
+//
+// The instructions are sm_90a only: other targets compile empty kernels that the dispatcher
+// never launches.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "common.cuh"
+#include "hopper/backward.cuh"
+#include "hopper/mask.cuh"
+#include "hopper/sm90.cuh"
+#include "hopper/tensor_map.hpp"
+#include "hopper/tiles.cuh"
+#include "hopper/wgmma.cuh"
+#include "launch.hpp"
+
+namespace flashref::cuda::detail {
+namespace {
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FLASHREF_SM90A 1
+#else
+#define FLASHREF_SM90A 0
+#endif
+
+using namespace sm90;
+
+struct bwd_maps {
+  CUtensorMap q, d_o, k, v;
+};
+
+struct hopper_bwd_params {
+  bwd_maps maps;
+  backward_params bp;
+};
+
+// The A fragments of a (64, 64) accumulator (this thread's 32 floats) for a k = 64 product.
+template <class T>
+__device__ __forceinline__ void fragments_of(const float (&x)[32], std::uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    a[kk][0] = pack2<T>(x[8 * kk + 0], x[8 * kk + 1]);
+    a[kk][1] = pack2<T>(x[8 * kk + 2], x[8 * kk + 3]);
+    a[kk][2] = pack2<T>(x[8 * kk + 4], x[8 * kk + 5]);
+    a[kk][3] = pack2<T>(x[8 * kk + 6], x[8 * kk + 7]);
+  }
+}
+
+template <int kN>
+__device__ __forceinline__ void keep_fragments(std::uint32_t (&a)[kN][4]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      asm volatile("" : "+r"(a[i][e])::"memory");
+}
+
+// acc (64, kD) += A (64 x 64, four k-steps of fragments) B (64 rows of an MN-major tile).
+template <class T, int kRows, int kD>
+__device__ __forceinline__ void product_rs(float (&acc)[kD / 2], const std::uint32_t (&a)[4][4],
+                                           const unsigned char* b) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    if constexpr (kD == 64) {
+      wgmma_rs_n64<T>(acc, a[kk], box_tile<kRows, kD>::mn_major(b, kk));
+    } else {
+      wgmma_rs_n128<T>(acc, a[kk], box_tile<kRows, kD>::mn_major(b, kk));
+    }
+  }
+}
+
+// acc (64, 64) = A (64 rows of a K-major tile from a_row0) B^T (the 64 rows of another).
+template <class T, int kARows, int kBRows, int kD>
+__device__ __forceinline__ void product_ss(float (&acc)[32], const unsigned char* a, int a_row0,
+                                           const unsigned char* b) {
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) {
+    wgmma_ss_n64<T>(acc, box_tile<kARows, kD>::k_major(a, a_row0, ks),
+                    box_tile<kBRows, kD>::k_major(b, 0, ks), ks > 0 ? 1 : 0);
+  }
+}
+
+// Stores this thread's share of a (64, kD) accumulator as rows row0 + [0, 64) of a gradient:
+// element 4 n8 + e is row 16 warp + lane / 4 + 8 (e / 2), column 8 n8 + 2 (lane % 4) + e % 2.
+template <class T, int kD>
+__device__ void store_gradient(void* g, const std::int64_t* stride, elem out, std::int64_t b,
+                               std::int64_t h, std::int64_t row0, std::int64_t row_end,
+                               const float (&acc)[kD / 2], float factor) {
+  const int t = static_cast<int>(threadIdx.x % 128);
+  const std::int64_t r_a = row0 + (t / 32) * 16 + (t % 32) / 4;
+  const int c0 = 2 * (t % 4);
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const std::int64_t row = r_a + 8 * r;
+    if (row >= row_end) continue;
+    const std::int64_t base = b * stride[0] + h * stride[1] + row * stride[2];
+#pragma unroll
+    for (int nb = 0; nb < kD / 8; ++nb) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        store_out<T>(g, base + (8 * nb + c0 + c) * stride[3], factor * acc[4 * nb + 2 * r + c],
+                     out);
+      }
+    }
+  }
+}
+
+// --- dK, dV ------------------------------------------------------------------------------------
+
+template <int kD>
+struct dkdv_layout {
+  using kv = box_tile<kBwdKeys, kD>;    // K, V: (kBwdKeys, kD)
+  using rows = box_tile<kBwdRows, kD>;  // Q, dO of a stage: (kBwdRows, kD)
+  static constexpr int kSmemBytes = 2 * kv::kBytes + 2 * kBwdStages * rows::kBytes + kAtomBytes;
+  unsigned char *k, *v, *q, *d_o;
+
+  __device__ explicit dkdv_layout(unsigned char* raw) {
+    const std::uint32_t base = smem_addr(raw);
+    k = raw + ((kAtomBytes - base % kAtomBytes) % kAtomBytes);
+    v = k + kv::kBytes;
+    q = v + kv::kBytes;
+    d_o = q + kBwdStages * rows::kBytes;
+  }
+  __device__ unsigned char* q_stage(int s) const { return q + s * rows::kBytes; }
+  __device__ unsigned char* d_o_stage(int s) const { return d_o + s * rows::kBytes; }
+};
+
+template <class T, int kD>
+__device__ void dkdv_produce(const hopper_bwd_params& hp, const dkdv_layout<kD>& smem,
+                             bwd_barriers& bar) {
+  using L = dkdv_layout<kD>;
+  const backward_params& bp = hp.bp;
+  const kernel_params& p = bp.fwd;
+  const bool leader = threadIdx.x % 32 == 0;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int k0 = static_cast<int>(blockIdx.x) * kBwdKeys;
+  const int hk = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const std::int64_t k1 = k0 + kBwdKeys < p.len_k ? k0 + kBwdKeys : p.len_k;
+  // A block running past the last key holds keys that do not exist: element-mask every tile.
+  const bool keys_past_end = k0 + kBwdKeys > p.len_k;
+  query_tile_walker<kBwdRows> walker(p.mask, b, hk * p.group, (hk + 1) * p.group, k0, k1);
+  std::int64_t h = 0, tile = 0;
+  bool full = false;
+  bool have = walker.next(h, tile, full);
+  if (have && leader) {
+    mbar_arrive_expect_tx(&bar.resident, 2 * L::kv::kBytes);
+    for (int c = 0; c < kD / kBoxCols; ++c) {
+      tma_load_4d(smem.k + c * L::kv::kBoxBytes, &hp.maps.k, c * kBoxCols, k0, hk, b,
+                  &bar.resident);
+      tma_load_4d(smem.v + c * L::kv::kBoxBytes, &hp.maps.v, c * kBoxCols, k0, hk, b,
+                  &bar.resident);
+    }
+  }
+  for (int it = 0;; ++it) {
+    const int s = it % kBwdStages;
+    mbar_wait(&bar.empty[s], ((it / kBwdStages) & 1) ^ 1);  // the consumers released stage s
+    if (!have) {
+      if (leader) {
+        bar.info[s] = {kNoMoreTiles, 0, 0, 0};
+        mbar_arrive(&bar.full[s]);
+      }
+      return;
+    }
+    const int q0 = static_cast<int>(tile) * kBwdRows;
+    for (int r = lane; r < kBwdRows; r += 32) {
+      const std::int64_t i = q0 + r;
+      const bool valid = i < p.len_q;
+      bar.lse_base[s][r] =
+          valid ? lse_exponent_base(
+                      p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]])
+                : 0.f;
+      bar.delta[s][r] = valid ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f;
+    }
+    __syncwarp();  // the lanes' stores before the leader's arrival
+    if (leader) {
+      bar.info[s] = {int(tile), int(h), full && !keys_past_end ? 1 : 0, 0};
+      mbar_arrive_expect_tx(&bar.full[s], 2 * L::rows::kBytes);
+      for (int c = 0; c < kD / kBoxCols; ++c) {
+        tma_load_4d(smem.q_stage(s) + c * L::rows::kBoxBytes, &hp.maps.q, c * kBoxCols, q0, int(h),
+                    b, &bar.full[s]);
+        tma_load_4d(smem.d_o_stage(s) + c * L::rows::kBoxBytes, &hp.maps.d_o, c * kBoxCols, q0,
+                    int(h), b, &bar.full[s]);
+      }
+    }
+    have = walker.next(h, tile, full);
+  }
+}
+
+template <class T, int kD>
+__device__ void dkdv_consume(const hopper_bwd_params& hp, int consumer, const dkdv_layout<kD>& smem,
+                             bwd_barriers& bar) {
+  using L = dkdv_layout<kD>;
+  const backward_params& bp = hp.bp;
+  const kernel_params& p = bp.fwd;
+  const int t = static_cast<int>(threadIdx.x % 128);
+  const std::int64_t k0 = std::int64_t(blockIdx.x) * kBwdKeys;
+  const std::int64_t hk = blockIdx.y, b = blockIdx.z;
+  const int key_row0 = consumer * 64;  // this warpgroup's keys in the block
+  // This thread's keys (rows of Sᵀ): key_a and key_a + 8; its query columns i0 + 8 nb + c.
+  const std::int64_t key_a = k0 + key_row0 + (t / 32) * 16 + (t % 32) / 4;
+  const int col0 = 2 * (t % 4);
+  float rdK[kD / 2] = {};  // (64 keys, kD): dK / scale
+  float rdV[kD / 2] = {};
+
+  for (int it = 0;; ++it) {
+    const int s = it % kBwdStages;
+    mbar_wait(&bar.full[s], (it / kBwdStages) & 1);
+    const bwd_stage_info info = read_bwd_stage_info(bar.info[s]);
+    if (info.tile == kNoMoreTiles) break;
+    if (it == 0) mbar_wait(&bar.resident, 0);
+    const unsigned char* sQ = smem.q_stage(s);
+    const unsigned char* sdO = smem.d_o_stage(s);
+
+    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, issued together; Sᵀ is waited for first.
+    float rS[32], rdP[32];
+    wgmma_fence();
+    product_ss<T, kBwdKeys, kBwdRows, kD>(rS, smem.k, key_row0, sQ);
+    wgmma_commit();
+    product_ss<T, kBwdKeys, kBwdRows, kD>(rdP, smem.v, key_row0, sdO);
+    wgmma_commit();
+
+    // Bit 2 nb + c of visible[r]: query q0 + col0 + 8 nb + c sees key key_a + 8 r.
+    const std::int64_t q0 = std::int64_t(info.tile) * kBwdRows;
+    std::uint32_t visible[2] = {~0u, ~0u};
+    if (info.full == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        visible[r] = query_bits<8>(p.mask, b, info.head, key_a + 8 * r, q0 + col0);
+    }
+    const float* base = bar.lse_base[s];
+    const float* delta = bar.delta[s];
+
+    wgmma_wait<1>();
+    fence_operands(rS);
+    wgmma_wait<0>();
+    fence_operands(rdP);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int nb = i / 4, e = i % 4;
+      const int col = 8 * nb + col0 + e % 2;
+      const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+      gradient_step(rS[i], rdP[i], on, base[col], delta[col], p.scale);
+    }
+    std::uint32_t aP[4][4], adS[4][4];
+    fragments_of<T>(rS, aP);
+    fragments_of<T>(rdP, adS);
+
+    // dV += Pᵀ dO, dK += dSᵀ Q.
+    wgmma_fence();
+    product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
+    product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(rdV);
+    fence_operands(rdK);
+    keep_fragments(aP);
+    keep_fragments(adS);
+
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(&bar.empty[s]);  // this warp is done with stage s
+  }
+  const std::int64_t row0 = k0 + key_row0;
+  store_gradient<T, kD>(bp.dk, bp.dk_stride, bp.grad_out, b, hk, row0, p.len_k, rdK, p.scale);
+  store_gradient<T, kD>(bp.dv, bp.dv_stride, bp.grad_out, b, hk, row0, p.len_k, rdV, 1.f);
+  (void)L::kSmemBytes;
+}
+
+template <class T, int kD>
+__global__ void __launch_bounds__(kThreads, 1)
+    hopper_dkdv_kernel(const __grid_constant__ hopper_bwd_params hp) {
+#if FLASHREF_SM90A
+  extern __shared__ __align__(1024) unsigned char s_raw[];
+  __shared__ bwd_barriers bar;
+  const dkdv_layout<kD> smem(s_raw);
+  const int warpgroup = static_cast<int>(threadIdx.x) / 128;
+  if (threadIdx.x == 0) {
+    bar.init();
+    tma_prefetch_map(&hp.maps.q);
+    tma_prefetch_map(&hp.maps.d_o);
+    tma_prefetch_map(&hp.maps.k);
+    tma_prefetch_map(&hp.maps.v);
+  }
+  __syncthreads();
+  if (warpgroup == 0) {
+    setmaxnreg_dec<dkdv_registers::kProducerRegs>();
+    if (threadIdx.x < 32) dkdv_produce<T, kD>(hp, smem, bar);
+  } else {
+    setmaxnreg_inc<dkdv_registers::kConsumerRegs>();
+    dkdv_consume<T, kD>(hp, warpgroup - 1, smem, bar);
+  }
+#else
+  (void)hp;
+  __trap();
+#endif
+}
+
+// --- dQ ----------------------------------------------------------------------------------------
+
+template <int kD>
+struct dq_layout {
+  using rows = box_tile<kBwdQRows, kD>;  // Q, dO: (kBwdQRows, kD)
+  using kv = box_tile<kBwdQKeys, kD>;    // K, V of a stage: (kBwdQKeys, kD)
+  static constexpr int kSmemBytes = 2 * rows::kBytes + 2 * kBwdStages * kv::kBytes + kAtomBytes;
+  unsigned char *q, *d_o, *k, *v;
+
+  __device__ explicit dq_layout(unsigned char* raw) {
+    const std::uint32_t base = smem_addr(raw);
+    q = raw + ((kAtomBytes - base % kAtomBytes) % kAtomBytes);
+    d_o = q + rows::kBytes;
+    k = d_o + rows::kBytes;
+    v = k + kBwdStages * kv::kBytes;
+  }
+  __device__ unsigned char* k_stage(int s) const { return k + s * kv::kBytes; }
+  __device__ unsigned char* v_stage(int s) const { return v + s * kv::kBytes; }
+};
+
+// Query tile blockIdx.x counted from the end: under a causal mask the last tiles see the most
+// keys, so the heavy blocks start first.
+__device__ __forceinline__ std::int64_t dq_row0() {
+  return (std::int64_t(gridDim.x) - 1 - blockIdx.x) * kBwdQRows;
+}
+
+template <class T, int kD>
+__device__ void dq_produce(const hopper_bwd_params& hp, const dq_layout<kD>& smem,
+                           bwd_barriers& bar) {
+  using L = dq_layout<kD>;
+  const kernel_params& p = hp.bp.fwd;
+  const bool leader = threadIdx.x % 32 == 0;
+  const std::int64_t q0 = dq_row0();
+  const std::int64_t q1 = q0 + kBwdQRows < p.len_q ? q0 + kBwdQRows : p.len_q;
+  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+  const int hk = h / static_cast<int>(p.group);
+  tile_walker<kBwdQKeys> walker(p.mask, b, h, q0, q1);
+  std::int64_t tile = 0;
+  bool full = false;
+  bool have = walker.next(tile, full);
+  if (have && leader) {
+    mbar_arrive_expect_tx(&bar.resident, 2 * L::rows::kBytes);
+    for (int c = 0; c < kD / kBoxCols; ++c) {
+      tma_load_4d(smem.q + c * L::rows::kBoxBytes, &hp.maps.q, c * kBoxCols, int(q0), h, b,
+                  &bar.resident);
+      tma_load_4d(smem.d_o + c * L::rows::kBoxBytes, &hp.maps.d_o, c * kBoxCols, int(q0), h, b,
+                  &bar.resident);
+    }
+  }
+  const T* gK = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  for (int it = 0;; ++it) {
+    const int s = it % kBwdStages;
+    mbar_wait(&bar.empty[s], ((it / kBwdStages) & 1) ^ 1);  // the consumers released stage s
+    if (!have) {
+      if (leader) {
+        bar.info[s] = {kNoMoreTiles, 0, 0, 0};
+        mbar_arrive(&bar.full[s]);
+      }
+      return;
+    }
+    const int k0 = static_cast<int>(tile) * kBwdQKeys;
+    // The tile that straddles kv_len: K's rows past it zero-filled by the lanes (dS = 0 there
+    // meets them in dQ += dS K); V's may stay as they are (dP is only selected from).
+    const bool k_tail = k0 + kBwdQKeys > walker.key_end && walker.key_end < p.len_k;
+    if (k_tail) {
+      load_rows_zero_tail<T, kBwdQKeys, kD>(smem.k_stage(s), gK, p.k_stride[2], k0, walker.key_end);
+      fence_proxy_async();  // the stores above are read by wgmma
+      __syncwarp();
+    }
+    if (leader) {
+      bar.info[s] = {int(tile), h, full ? 1 : 0, 0};
+      mbar_arrive_expect_tx(&bar.full[s], (k_tail ? 1 : 2) * L::kv::kBytes);
+      for (int c = 0; c < kD / kBoxCols; ++c) {
+        if (!k_tail) {
+          tma_load_4d(smem.k_stage(s) + c * L::kv::kBoxBytes, &hp.maps.k, c * kBoxCols, k0, hk, b,
+                      &bar.full[s]);
+        }
+        tma_load_4d(smem.v_stage(s) + c * L::kv::kBoxBytes, &hp.maps.v, c * kBoxCols, k0, hk, b,
+                    &bar.full[s]);
+      }
+    }
+    have = walker.next(tile, full);
+  }
+}
+
+template <class T, int kD>
+__device__ void dq_consume(const hopper_bwd_params& hp, int consumer, const dq_layout<kD>& smem,
+                           bwd_barriers& bar) {
+  using L = dq_layout<kD>;
+  const backward_params& bp = hp.bp;
+  const kernel_params& p = bp.fwd;
+  const std::int64_t q0 = dq_row0();
+  const std::int64_t h = blockIdx.y, b = blockIdx.z;
+  const fragment_coords at(consumer);  // rows at.row0, at.row0 + 8 of the block; columns col0
+  float base[2], delta[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const std::int64_t i = q0 + at.row0 + 8 * r;
+    const bool valid = i < p.len_q;
+    base[r] = valid ? lse_exponent_base(
+                          p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]])
+                    : 0.f;
+    delta[r] = valid ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f;
+  }
+  float rdQ[kD / 2] = {};  // (64 rows, kD): dQ / scale
+
+  for (int it = 0;; ++it) {
+    const int s = it % kBwdStages;
+    mbar_wait(&bar.full[s], (it / kBwdStages) & 1);
+    const bwd_stage_info info = read_bwd_stage_info(bar.info[s]);
+    if (info.tile == kNoMoreTiles) break;
+    if (it == 0) mbar_wait(&bar.resident, 0);
+
+    // S = Q Kᵀ and dP = dO Vᵀ, issued together.
+    float rS[32], rdP[32];
+    wgmma_fence();
+    product_ss<T, kBwdQRows, kBwdQKeys, kD>(rS, smem.q, consumer * 64, smem.k_stage(s));
+    wgmma_commit();
+    product_ss<T, kBwdQRows, kBwdQKeys, kD>(rdP, smem.d_o, consumer * 64, smem.v_stage(s));
+    wgmma_commit();
+
+    // Bit 2 nb + c of visible[r]: row q0 + at.row0 + 8 r sees key k0 + at.col0 + 8 nb + c.
+    std::uint32_t visible[2] = {~0u, ~0u};
+    if (info.full == 0) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        visible[r] = tile_mask::key_bits<8>(p.mask, b, h, q0 + at.row0 + 8 * r,
+                                            std::int64_t(info.tile) * kBwdQKeys + at.col0);
+      }
+    }
+    wgmma_wait<0>();
+    fence_operands(rS);
+    fence_operands(rdP);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int nb = i / 4, e = i % 4;
+      const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+      gradient_step(rS[i], rdP[i], on, base[e / 2], delta[e / 2], p.scale);
+    }
+    std::uint32_t adS[4][4];
+    fragments_of<T>(rdP, adS);
+
+    // dQ += dS K.
+    wgmma_fence();
+    product_rs<T, kBwdQKeys, kD>(rdQ, adS, smem.k_stage(s));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands(rdQ);
+    keep_fragments(adS);
+
+    __syncwarp();
+    if (threadIdx.x % 32 == 0) mbar_arrive(&bar.empty[s]);  // this warp is done with stage s
+  }
+  store_gradient<T, kD>(bp.dq, bp.dq_stride, bp.grad_out, b, h, q0 + consumer * 64, p.len_q, rdQ,
+                        p.scale);
+  (void)L::kSmemBytes;
+}
+
+template <class T, int kD>
+__global__ void __launch_bounds__(kThreads, 1)
+    hopper_dq_kernel(const __grid_constant__ hopper_bwd_params hp) {
+#if FLASHREF_SM90A
+  extern __shared__ __align__(1024) unsigned char s_raw[];
+  __shared__ bwd_barriers bar;
+  const dq_layout<kD> smem(s_raw);
+  const int warpgroup = static_cast<int>(threadIdx.x) / 128;
+  if (threadIdx.x == 0) {
+    bar.init();
+    tma_prefetch_map(&hp.maps.q);
+    tma_prefetch_map(&hp.maps.d_o);
+    tma_prefetch_map(&hp.maps.k);
+    tma_prefetch_map(&hp.maps.v);
+  }
+  __syncthreads();
+  if (warpgroup == 0) {
+    setmaxnreg_dec<dq_registers::kProducerRegs>();
+    if (threadIdx.x < 32) dq_produce<T, kD>(hp, smem, bar);
+  } else {
+    setmaxnreg_inc<dq_registers::kConsumerRegs>();
+    dq_consume<T, kD>(hp, warpgroup - 1, smem, bar);
+  }
+#else
+  (void)hp;
+  __trap();
+#endif
+}
+
+// The four maps with the given row counts per box: Q and dO (rows), K and V (keys).
+cudaError_t make_maps(bwd_maps& m, const backward_params& bp, elem input, int kD, int rows,
+                      int keys) {
+  const kernel_params& p = bp.fwd;
+  cudaError_t e = make_map(&m.q, p.q, input, p.batch, p.heads_q, p.len_q, kD, p.q_stride, rows);
+  if (e == cudaSuccess) {
+    e = make_map(&m.d_o, bp.d_o, input, p.batch, p.heads_q, p.len_q, kD, bp.d_o_stride, rows);
+  }
+  if (e == cudaSuccess) {
+    e = make_map(&m.k, p.k, input, p.batch, p.heads_k, p.len_k, kD, p.k_stride, keys);
+  }
+  if (e == cudaSuccess) {
+    e = make_map(&m.v, p.v, input, p.batch, p.heads_k, p.len_k, kD, p.v_stride, keys);
+  }
+  return e;
+}
+
+template <class T, int kD>
+cudaError_t launch(const backward_params& bp, elem input, cudaStream_t stream) {
+  const kernel_params& p = bp.fwd;
+  hopper_bwd_params hp{};
+  hp.bp = bp;
+  constexpr int kDkdvSmem = dkdv_layout<kD>::kSmemBytes;
+  constexpr int kDqSmem = dq_layout<kD>::kSmemBytes;
+  cudaError_t e = cudaFuncSetAttribute(hopper_dkdv_kernel<T, kD>,
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, kDkdvSmem);
+  if (e == cudaSuccess) {
+    e = cudaFuncSetAttribute(hopper_dq_kernel<T, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             kDqSmem);
+  }
+  if (e != cudaSuccess) return e;
+  if (p.len_k > 0 && p.heads_k > 0 && p.batch > 0) {
+    e = make_maps(hp.maps, bp, input, kD, kBwdRows, kBwdKeys);
+    if (e != cudaSuccess) return e;
+    const dim3 grid(static_cast<unsigned>((p.len_k + kBwdKeys - 1) / kBwdKeys),
+                    static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
+    hopper_dkdv_kernel<T, kD><<<grid, kThreads, kDkdvSmem, stream>>>(hp);
+  }
+  if (p.len_q > 0 && p.heads_q > 0 && p.batch > 0) {
+    e = make_maps(hp.maps, bp, input, kD, kBwdQRows, kBwdQKeys);
+    if (e != cudaSuccess) return e;
+    const dim3 grid(static_cast<unsigned>((p.len_q + kBwdQRows - 1) / kBwdQRows),
+                    static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
+    hopper_dq_kernel<T, kD><<<grid, kThreads, kDqSmem, stream>>>(hp);
+  }
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+cudaError_t launch_hopper_backward(const backward_params& bp, elem input, cudaStream_t stream) {
+  const bool half = input == elem::f16;
+  if (bp.fwd.head_dim == 64) {
+    return half ? launch<__half, 64>(bp, input, stream)
+                : launch<__nv_bfloat16, 64>(bp, input, stream);
+  }
+  return half ? launch<__half, 128>(bp, input, stream)
+              : launch<__nv_bfloat16, 128>(bp, input, stream);
+}
+
+}  // namespace flashref::cuda::detail
