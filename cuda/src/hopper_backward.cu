@@ -335,7 +335,7 @@ struct dq_layout {
 
 // Query tile blockIdx.x counted from the end: under a causal mask the last tiles see the most
 // keys, so the heavy blocks start first.
-__device__ __forceinline__ std::int64_t dq_row0() {
+[[maybe_unused]] __device__ __forceinline__ std::int64_t dq_row0() {
   return (std::int64_t(gridDim.x) - 1 - blockIdx.x) * kBwdQRows;
 }
 

@@ -120,19 +120,6 @@ def _is_torch(x: Any) -> bool:
     return type(x).__module__.startswith("torch") and "torch" in sys.modules
 
 
-def _capsules(*tensors):
-    """torch tensors (or None) as DLPack capsules for the binding, through torch's C exporter.
-
-    ``Tensor.__dlpack__``, which the binding would call otherwise, is Python code that asks
-    torch for the current device and streams on every call (and, on PyTorch releases whose
-    default is ``stream=None``, makes the default stream wait on the current one): several
-    microseconds per tensor, on every call. The binding needs none of it: it reads the data in
-    place and enqueues on the stream it is given. The capsules share the tensors' memory."""
-    from torch.utils.dlpack import to_dlpack
-
-    return tuple(None if t is None else to_dlpack(t.detach()) for t in tensors)
-
-
 def attention(
     q: Any,
     k: Any,
@@ -202,20 +189,14 @@ def attention(
         causal, window, block_mask, block_size, backend, layout
     )
     if type(q) is np.ndarray:
-        o_shape, lse_shape = _out_shapes(q, v, blhd)
-        # float64 only on the reference backend, which computes in float64 (see gradcheck).
-        dtype = np.float64 if backend_s == "reference" and q.dtype == np.float64 else np.float32
-        o = np.empty(o_shape, dtype)
-        lse = np.empty(lse_shape, dtype) if return_lse else None
-        if block_mask is not None and type(block_mask) is not np.ndarray:
-            block_mask = np.asarray(block_mask)
-        if kv_len is not None and (type(kv_len) is not np.ndarray or kv_len.dtype != np.int32):
-            kv_len = np.asarray(kv_len, dtype=np.int32)
-        _core.attention_into(
-            q, k, v, o, lse, scale, causal_s, left, right, block_mask, block_q, block_k,
-            kv_len, backend_s, blhd, 0,
+        # The core allocates O (and LSE) as numpy arrays: float32, float64 for float64 inputs on
+        # the reference backend, which computes in float64 (see gradcheck).
+        if block_mask is not None or kv_len is not None:
+            block_mask, kv_len = _numpy_masks(block_mask, kv_len)
+        return _core.attention(
+            q, k, v, scale, causal_s, left, right, block_mask, block_q, block_k, kv_len,
+            backend_s, blhd, return_lse, 0,
         )
-        return (o, lse) if return_lse else o
     if _is_torch(q):
         return _attention_torch(
             q, k, v, scale, causal_s, left, right, block_mask, block_q, block_k, kv_len,
@@ -224,51 +205,63 @@ def attention(
     raise TypeError(f"q: expected a numpy array or a torch tensor, got {type(q).__name__}")
 
 
+def _numpy_masks(block_mask, kv_len):
+    if block_mask is not None and type(block_mask) is not np.ndarray:
+        block_mask = np.asarray(block_mask)
+    if kv_len is not None and (type(kv_len) is not np.ndarray or kv_len.dtype != np.int32):
+        kv_len = np.asarray(kv_len, dtype=np.int32)
+    return block_mask, kv_len
+
+
+def _torch_masks(q, block_mask, kv_len):
+    import torch
+
+    if block_mask is not None:
+        block_mask = torch.as_tensor(block_mask, device=q.device)
+    if kv_len is not None:
+        kv_len = torch.as_tensor(kv_len, dtype=torch.int32, device=q.device)
+    return block_mask, kv_len
+
+
 def _attention_torch(q, k, v, scale, causal_s, left, right, block_mask, block_q, block_k,
                      kv_len, backend_s, blhd, return_lse):
+    # The core reads the tensors through torch's C DLPack exporter and allocates O (and LSE)
+    # with torch.empty on q's device, in the dtypes of _torch_dtypes.
+    if block_mask is not None or kv_len is not None:
+        block_mask, kv_len = _torch_masks(q, block_mask, kv_len)
+    args = (q, k, v, scale, causal_s, left, right, block_mask, block_q, block_k, kv_len,
+            backend_s, blhd, return_lse)
+    if q.is_cuda:
+        return _on_device(q, _core.attention, args)
+    return _core.attention(*args, 0)
+
+
+def _on_device(q, entry, args):
+    """entry(*args, stream) with q's device current, on its current stream (the caller's)."""
     import torch
 
-    o, lse = _torch_outputs(q, v, blhd, backend_s, return_lse)
-    device = q.device
-    if block_mask is not None:
-        block_mask = torch.as_tensor(block_mask, device=device)
-    if kv_len is not None:
-        kv_len = torch.as_tensor(kv_len, dtype=torch.int32, device=device)
-    cq, ck, cv, co, clse, cmask, ckv = _capsules(q, k, v, o, lse, block_mask, kv_len)
-    args = (cq, ck, cv, co, clse, scale, causal_s, left, right, cmask, block_q, block_k, ckv,
-            backend_s, blhd)
-    if device.type == "cuda":
-        _on_device(device, _core.attention_into, args)
-    else:
-        _core.attention_into(*args, 0)
-    return (o, lse) if return_lse else o
+    index = q.get_device()
+    stream = _current_stream(torch, index)
+    if index == torch.cuda.current_device():
+        return entry(*args, stream)
+    with torch.cuda.device(index):
+        return entry(*args, stream)
 
 
-def _on_device(device, entry, args):
-    """entry(*args, stream) with `device` current, on its current stream (the caller's)."""
-    import torch
-
-    stream = torch.cuda.current_stream(device).cuda_stream
-    if device.index is None or device.index == torch.cuda.current_device():
-        entry(*args, stream)
-    else:
-        with torch.cuda.device(device):
-            entry(*args, stream)
-
-
-def _torch_outputs(q, v, blhd, backend_s, with_lse=True):
-    import torch
-
-    o_shape, lse_shape = _out_shapes(q, v, blhd)
-    dtype, lse_dtype = _torch_dtypes(q, backend_s)
-    o = torch.empty(o_shape, dtype=dtype, device=q.device)
-    lse = torch.empty(lse_shape, dtype=lse_dtype, device=q.device) if with_lse else None
-    return o, lse
+def _current_stream(torch, index):
+    """The handle (cudaStream_t) of the current stream of CUDA device `index`:
+    ``torch.cuda.current_stream(index).cuda_stream``, read by the C function behind it where torch
+    has one (torch.cuda.current_stream builds a Stream object on every call)."""
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw(index)
+    return torch.cuda.current_stream(index).cuda_stream
 
 
 def _torch_dtypes(q, backend_s):
     """The dtypes of O and LSE for q: on a CUDA device O has q's dtype (float32, bfloat16,
-    float16); in host memory float32, or float64 on the reference backend."""
+    float16); in host memory float32, or float64 on the reference backend. (The core allocates
+    the outputs by the same rule; flashref.torch's fake implementations use this one.)"""
     import torch
 
     if q.device.type == "cuda":
@@ -337,17 +330,12 @@ def attention_backward(
         causal, window, block_mask, block_size, backend, layout
     )
     if type(q) is np.ndarray:
-        dtype = np.float64 if backend_s == "reference" and q.dtype == np.float64 else np.float32
-        dq, dk, dv = (np.empty(np.shape(x), dtype) for x in (q, k, v))
-        if block_mask is not None and type(block_mask) is not np.ndarray:
-            block_mask = np.asarray(block_mask)
-        if kv_len is not None and (type(kv_len) is not np.ndarray or kv_len.dtype != np.int32):
-            kv_len = np.asarray(kv_len, dtype=np.int32)
-        _core.attention_backward_into(
-            q, k, v, o, lse, do, dq, dk, dv, scale, causal_s, left, right, block_mask, block_q,
-            block_k, kv_len, backend_s, blhd, 0,
+        if block_mask is not None or kv_len is not None:
+            block_mask, kv_len = _numpy_masks(block_mask, kv_len)
+        return _core.attention_backward(
+            q, k, v, o, lse, do, scale, causal_s, left, right, block_mask, block_q, block_k,
+            kv_len, backend_s, blhd, 0,
         )
-        return dq, dk, dv
     if _is_torch(q):
         return _attention_backward_torch(
             q, k, v, o, lse, do, scale, causal_s, left, right, block_mask, block_q, block_k,
@@ -358,25 +346,15 @@ def attention_backward(
 
 def _attention_backward_torch(q, k, v, o, lse, do, scale, causal_s, left, right, block_mask,
                               block_q, block_k, kv_len, backend_s, blhd):
-    import torch
-
-    dtype = _torch_dtypes(q, backend_s)[0]
-    device = q.device
-    dq, dk, dv = (torch.empty(x.shape, dtype=dtype, device=device) for x in (q, k, v))
-    if block_mask is not None:
-        block_mask = torch.as_tensor(block_mask, device=device)
-    if kv_len is not None:
-        kv_len = torch.as_tensor(kv_len, dtype=torch.int32, device=device)
-    cq, ck, cv, co, clse, cdo, cdq, cdk, cdv, cmask, ckv = _capsules(
-        q, k, v, o, lse, do, dq, dk, dv, block_mask, kv_len)
-    args = (cq, ck, cv, co, clse, cdo, cdq, cdk, cdv, scale, causal_s, left, right, cmask, block_q,
-            block_k, ckv, backend_s, blhd)
-    if device.type == "cuda":
-        # The device entry, in place, on the caller's current stream of q's device.
-        _on_device(device, _core.attention_backward_into, args)
-    else:
-        _core.attention_backward_into(*args, 0)
-    return dq, dk, dv
+    # dq, dk, dv allocated by the core as O is (_torch_dtypes); on a CUDA device the device entry,
+    # in place, on the caller's current stream of q's device.
+    if block_mask is not None or kv_len is not None:
+        block_mask, kv_len = _torch_masks(q, block_mask, kv_len)
+    args = (q, k, v, o, lse, do, scale, causal_s, left, right, block_mask, block_q, block_k,
+            kv_len, backend_s, blhd)
+    if q.is_cuda:
+        return _on_device(q, _core.attention_backward, args)
+    return _core.attention_backward(*args, 0)
 
 
 def merge(o_a: Any, lse_a: Any, o_b: Any, lse_b: Any):

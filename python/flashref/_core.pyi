@@ -1,6 +1,6 @@
 """Type stub of flashref._core, the C++ extension under the flashref package."""
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 class FixtureHandle:
     @property
@@ -59,6 +59,16 @@ class CheckRow:
     def counts(self) -> Dict[str, Any]: ...
     def table(self) -> str: ...
 
+def attention(
+    q: Any, k: Any, v: Any, scale: Optional[float], causal: str, window_left: int,
+    window_right: int, block_mask: Optional[Any], block_q: int, block_k: int,
+    kv_len: Optional[Any], backend: str, blhd: bool, return_lse: bool, stream: int,
+) -> Any: ...
+def attention_backward(
+    q: Any, k: Any, v: Any, o: Any, lse: Optional[Any], do: Any, scale: Optional[float],
+    causal: str, window_left: int, window_right: int, block_mask: Optional[Any], block_q: int,
+    block_k: int, kv_len: Optional[Any], backend: str, blhd: bool, stream: int,
+) -> Tuple[Any, Any, Any]: ...
 def attention_into(
     q: Any, k: Any, v: Any, o: Any, lse: Optional[Any], scale: Optional[float], causal: str,
     window_left: int, window_right: int, block_mask: Optional[Any], block_q: int, block_k: int,

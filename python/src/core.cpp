@@ -671,6 +671,221 @@ double entry_seconds(const array& q, const array& k, const array& v, const array
   return times[times.size() / 2];
 }
 
+// --- the allocating entries of flashref.attention and flashref.attention_backward -------------
+// q decides the kind of the results: numpy arrays for a numpy q, torch tensors on q's device for
+// a torch q. All the per-tensor work of a call is done here, in one call from Python: the import
+// of each argument, the allocation of the outputs; the checks are the *_into entries'.
+
+// The Python objects a call uses, looked up once and kept for the life of the process (never
+// released, so that nothing of them runs at interpreter exit).
+struct numpy_api {
+  PyObject* ndarray;  // the type numpy.ndarray
+  PyObject* empty;    // numpy.empty
+  PyObject* float32;  // numpy.dtype("float32")
+  PyObject* float64;
+};
+
+struct torch_api {
+  PyObject* tensor;        // the type torch.Tensor
+  PyObject* empty;         // torch.empty
+  PyObject* to_dlpack;     // torch.utils.dlpack.to_dlpack (torch._C._to_dlpack, C code)
+  PyObject* float32;       // torch.float32
+  PyObject* float64;       //
+  PyObject* dtype_device;  // ("dtype", "device"): the keywords of the torch.empty calls
+};
+
+PyObject* keep(nb::object o) {
+  return o.release().ptr();
+}
+
+// Two threads may both look the objects up on a first call (an import may release the GIL):
+// they find the same objects, and one set is kept.
+const numpy_api& numpy_objects() {
+  static const numpy_api* api = nullptr;
+  if (!api) {
+    const nb::module_ np = nb::module_::import_("numpy");
+    api = new numpy_api{keep(np.attr("ndarray")), keep(np.attr("empty")),
+                        keep(np.attr("dtype")("float32")), keep(np.attr("dtype")("float64"))};
+  }
+  return *api;
+}
+
+// torch's objects, or nullptr while torch is not imported (then no tensor exists).
+const torch_api* torch_objects() {
+  static const torch_api* api = nullptr;
+  if (!api) {
+    PyObject* modules = PySys_GetObject("modules");  // borrowed
+    if (!modules || !PyDict_Check(modules) || !PyDict_GetItemString(modules, "torch"))
+      return nullptr;
+    const nb::module_ torch = nb::module_::import_("torch");
+    api = new torch_api{keep(torch.attr("Tensor")),
+                        keep(torch.attr("empty")),
+                        keep(nb::module_::import_("torch.utils.dlpack").attr("to_dlpack")),
+                        keep(torch.attr("float32")),
+                        keep(torch.attr("float64")),
+                        keep(nb::make_tuple("dtype", "device"))};
+  }
+  return api;
+}
+
+bool is_tensor(const torch_api* t, nb::handle x) {
+  return t && PyObject_IsInstance(x.ptr(), t->tensor) == 1;
+}
+
+std::string python_type_name(nb::handle x) {
+  return nb::cast<std::string>(nb::handle(x.type()).attr("__name__"));
+}
+
+// One argument, read in place. A torch tensor goes through torch's C exporter: nanobind's import
+// would call Tensor.__dlpack__, Python code that asks torch for the current device and streams
+// on every call (and, on PyTorch releases whose default is stream=None, makes the default stream
+// wait on the current one), several microseconds per tensor; the binding needs none of it, it
+// reads the data in place and enqueues on the stream it is given. Anything else goes through
+// nanobind (DLPack, the buffer protocol). The array shares the argument's memory.
+array import_array(const char* field, nb::handle x, const torch_api* t) {
+  if (is_tensor(t, x)) {
+    const nb::object capsule = nb::steal(PyObject_CallOneArg(t->to_dlpack, x.ptr()));
+    if (!capsule.is_valid()) throw nb::python_error();
+    return nb::cast<array>(capsule, false);
+  }
+  array a;
+  if (!nb::try_cast<array>(x, a, false))
+    throw type_error(std::string(field) + ": expected a numpy array or a torch tensor, got " +
+                     python_type_name(x));
+  return a;
+}
+
+std::optional<array> import_optional(const char* field, nb::handle x, const torch_api* t) {
+  if (x.is_none()) return std::nullopt;
+  return import_array(field, x, t);
+}
+
+// The outputs of a call on q: numpy arrays (numpy.empty) or torch tensors on q's device
+// (torch.empty). O and the gradients are float32, float64 for float64 inputs on the reference
+// backend (which computes in float64, for gradcheck), q's dtype for torch tensors in CUDA memory
+// (float32, bfloat16, float16); LSE is float32, float64 as O on the reference backend. A q of
+// any other dtype gets float32 outputs, and the checks of the call name what it should be.
+class outputs {
+ public:
+  outputs(nb::handle q, const array& qa, const torch_api* torch_q, backend chosen)
+      : torch_(torch_q) {
+    const bool f64 = qa.device_type() == kHost && chosen == backend::reference &&
+                     is(qa.dtype(), nb::dlpack::dtype_code::Float, 64);
+    PyObject* f32 = torch_ ? torch_->float32 : numpy_objects().float32;
+    PyObject* wide = f64 ? (torch_ ? torch_->float64 : numpy_objects().float64) : f32;
+    o_dtype_ = nb::borrow(wide);
+    lse_dtype_ = nb::borrow(wide);
+    if (torch_) {
+      device_ = q.attr("device");
+      if (qa.device_type() == kCuda) o_dtype_ = q.attr("dtype");
+    }
+  }
+
+  nb::object o(nb::handle shape) const { return empty(shape, o_dtype_); }
+  nb::object lse(nb::handle shape) const { return empty(shape, lse_dtype_); }
+
+ private:
+  nb::object empty(nb::handle shape, nb::handle dtype) const {
+    PyObject* r = nullptr;
+    if (torch_) {
+      PyObject* args[] = {shape.ptr(), dtype.ptr(), device_.ptr()};
+      r = PyObject_Vectorcall(torch_->empty, args, 1, torch_->dtype_device);
+    } else {
+      PyObject* args[] = {shape.ptr(), dtype.ptr()};
+      r = PyObject_Vectorcall(numpy_objects().empty, args, 2, nullptr);
+    }
+    if (!r) throw nb::python_error();
+    return nb::steal(r);
+  }
+
+  const torch_api* torch_;  // nullptr for numpy outputs
+  nb::object device_;       // q.device, for torch
+  nb::object o_dtype_, lse_dtype_;
+};
+
+// The frameworks of a call's arguments: torch's objects where torch is imported (any argument
+// may be a tensor), and whether q is a tensor; TypeError when q is neither a numpy array nor a
+// tensor, as the Python layer says it.
+struct frameworks {
+  const torch_api* torch;
+  bool torch_q;
+};
+
+frameworks frameworks_of(nb::handle q) {
+  const torch_api* t = torch_objects();
+  if (Py_TYPE(q.ptr()) == reinterpret_cast<PyTypeObject*>(numpy_objects().ndarray))
+    return {t, false};
+  if (!is_tensor(t, q))
+    throw type_error("q: expected a numpy array or a torch tensor, got " + python_type_name(q));
+  return {t, true};
+}
+
+nb::tuple shape_of(const array& a) {
+  nb::list s;
+  for (std::size_t d = 0; d < a.ndim(); ++d)
+    s.append(a.shape(d));
+  return nb::tuple(s);
+}
+
+// attention(q, k, v, ...) -> o, or (o, lse) with return_lse: flashref.attention's call.
+nb::object attention_alloc(nb::handle q, nb::handle k, nb::handle v, std::optional<double> scale,
+                           const std::string& causal, std::int64_t window_left,
+                           std::int64_t window_right, nb::handle block_mask, std::int64_t block_q,
+                           std::int64_t block_k, nb::handle kv_len, const std::string& backend_name,
+                           bool blhd, bool return_lse, std::uintptr_t stream) {
+  const frameworks f = frameworks_of(q);
+  const array qa = import_array("q", q, f.torch);
+  const array va = import_array("v", v, f.torch);
+  // O's shape is made of q's and v's: their ranks first (the others' are the entry's to check).
+  expect_ndim("q", qa, 4, blhd ? "(B, L, H, D)" : "(B, H, L, D)");
+  expect_ndim("v", va, 4, blhd ? "(B, L, H, Dv)" : "(B, H, L, Dv)");
+  const std::size_t B = qa.shape(0), d1 = qa.shape(1), d2 = qa.shape(2), Dv = va.shape(3);
+  const outputs out(q, qa, f.torch_q ? f.torch : nullptr, parse_backend(backend_name));
+  const nb::object o = out.o(nb::make_tuple(B, d1, d2, Dv));  // q's layout
+  const nb::object lse = return_lse ? out.lse(nb::make_tuple(B, blhd ? d2 : d1, blhd ? d1 : d2))
+                                    : nb::none();  // (B, Hq, Lq)
+  const array ka = import_array("k", k, f.torch);
+  const array oa = import_array("o", o, f.torch);
+  const std::optional<array> lsea = import_optional("lse", lse, f.torch);
+  const std::optional<array> mask = import_optional("block_mask", block_mask, f.torch);
+  const std::optional<array> lengths = import_optional("kv_len", kv_len, f.torch);
+  attention_into(qa, ka, va, oa, lsea, scale, causal, window_left, window_right, mask, block_q,
+                 block_k, lengths, backend_name, blhd, stream);
+  if (return_lse) return nb::make_tuple(o, lse);
+  return o;
+}
+
+// attention_backward(q, k, v, o, lse, do, ...) -> (dq, dk, dv), shaped as q, k and v, in the
+// dtype of the forward's O on q: flashref.attention_backward's call.
+nb::tuple attention_backward_alloc(nb::handle q, nb::handle k, nb::handle v, nb::handle o,
+                                   nb::handle lse, nb::handle d_o, std::optional<double> scale,
+                                   const std::string& causal, std::int64_t window_left,
+                                   std::int64_t window_right, nb::handle block_mask,
+                                   std::int64_t block_q, std::int64_t block_k, nb::handle kv_len,
+                                   const std::string& backend_name, bool blhd,
+                                   std::uintptr_t stream) {
+  const frameworks f = frameworks_of(q);
+  const array qa = import_array("q", q, f.torch);
+  const array ka = import_array("k", k, f.torch);
+  const array va = import_array("v", v, f.torch);
+  const outputs out(q, qa, f.torch_q ? f.torch : nullptr, parse_backend(backend_name));
+  const nb::object dq = out.o(shape_of(qa));
+  const nb::object dk = out.o(shape_of(ka));
+  const nb::object dv = out.o(shape_of(va));
+  const array oa = import_array("o", o, f.torch);
+  const std::optional<array> lsea = import_optional("lse", lse, f.torch);
+  const array doa = import_array("do", d_o, f.torch);
+  const array dqa = import_array("dq", dq, f.torch);
+  const array dka = import_array("dk", dk, f.torch);
+  const array dva = import_array("dv", dv, f.torch);
+  const std::optional<array> mask = import_optional("block_mask", block_mask, f.torch);
+  const std::optional<array> lengths = import_optional("kv_len", kv_len, f.torch);
+  attention_backward_into(qa, ka, va, oa, lsea, doa, dqa, dka, dva, scale, causal, window_left,
+                          window_right, mask, block_q, block_k, lengths, backend_name, blhd,
+                          stream);
+  return nb::make_tuple(dq, dk, dv);
+}
+
 // merge(o_a, lse_a, o_b, lse_b, o, lse): SPEC §5 row by row over C-contiguous arrays of one
 // float dtype; o (rows, Dv) and lse (rows) may alias an input.
 template <class T>
@@ -858,6 +1073,16 @@ NB_MODULE(_core, m) {
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("block_mask").none(),
         nb::arg("block_q"), nb::arg("block_k"), nb::arg("kv_len").none(), nb::arg("backend"),
         nb::arg("blhd"), nb::arg("stream"));
+  m.def("attention", &attention_alloc, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"),
+        nb::arg("block_mask").none(), nb::arg("block_q"), nb::arg("block_k"),
+        nb::arg("kv_len").none(), nb::arg("backend"), nb::arg("blhd"), nb::arg("return_lse"),
+        nb::arg("stream"));
+  m.def("attention_backward", &attention_backward_alloc, nb::arg("q"), nb::arg("k"), nb::arg("v"),
+        nb::arg("o"), nb::arg("lse").none(), nb::arg("do"), nb::arg("scale").none(),
+        nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"),
+        nb::arg("block_mask").none(), nb::arg("block_q"), nb::arg("block_k"),
+        nb::arg("kv_len").none(), nb::arg("backend"), nb::arg("blhd"), nb::arg("stream"));
   m.def("entry_seconds", &entry_seconds, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
         nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("block_mask").none(), nb::arg("block_q"),
@@ -882,8 +1107,10 @@ NB_MODULE(_core, m) {
     }
     return out;
   });
-  // How the binding sees an array it is handed (for tests of the zero-copy import).
-  m.def("describe", [](const array& a) {
+  // How the binding sees an array it is handed, imported as flashref.attention imports its
+  // arguments (for tests of the zero-copy import).
+  m.def("describe", [](nb::handle x) {
+    const array a = import_array("array", x, torch_objects());
     nb::dict d;
     d["data"] = reinterpret_cast<std::uintptr_t>(a.data());
     std::vector<std::int64_t> shape, strides;
