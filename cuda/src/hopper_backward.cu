@@ -146,7 +146,7 @@ struct dkdv_layout {
 
 template <class T, int kD>
 __device__ void dkdv_produce(const hopper_bwd_params& hp, const dkdv_layout<kD>& smem,
-                             bwd_barriers& bar) {
+                             dkdv_barriers& bar) {
   using L = dkdv_layout<kD>;
   const backward_params& bp = hp.bp;
   const kernel_params& p = bp.fwd;
@@ -207,7 +207,7 @@ __device__ void dkdv_produce(const hopper_bwd_params& hp, const dkdv_layout<kD>&
 
 template <class T, int kD>
 __device__ void dkdv_consume(const hopper_bwd_params& hp, int consumer, const dkdv_layout<kD>& smem,
-                             bwd_barriers& bar) {
+                             dkdv_barriers& bar) {
   using L = dkdv_layout<kD>;
   const backward_params& bp = hp.bp;
   const kernel_params& p = bp.fwd;
@@ -249,16 +249,23 @@ __device__ void dkdv_consume(const hopper_bwd_params& hp, int consumer, const dk
     const float* base = bar.lse_base[s];
     const float* delta = bar.delta[s];
 
+    // Pᵀ while dPᵀ runs, then dSᵀ (P in place of S, dS in place of dP: with dK and dV this
+    // is what fits in the registers).
     wgmma_wait<1>();
     fence_operands(rS);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int nb = i / 4, e = i % 4;
+      const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+      rS[i] = probability(rS[i], on, base[8 * nb + col0 + e % 2], p.scale);
+    }
     wgmma_wait<0>();
     fence_operands(rdP);
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const int nb = i / 4, e = i % 4;
-      const int col = 8 * nb + col0 + e % 2;
       const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
-      gradient_step(rS[i], rdP[i], on, base[col], delta[col], p.scale);
+      rdP[i] = score_gradient(rS[i], rdP[i], on, delta[8 * nb + col0 + e % 2]);
     }
     std::uint32_t aP[4][4], adS[4][4];
     fragments_of<T>(rS, aP);
@@ -275,8 +282,7 @@ __device__ void dkdv_consume(const hopper_bwd_params& hp, int consumer, const dk
     keep_fragments(aP);
     keep_fragments(adS);
 
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) mbar_arrive(&bar.empty[s]);  // this warp is done with stage s
+    bar.release(s);
   }
   const std::int64_t row0 = k0 + key_row0;
   store_gradient<T, kD>(bp.dk, bp.dk_stride, bp.grad_out, b, hk, row0, p.len_k, rdK, p.scale);
@@ -289,7 +295,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     hopper_dkdv_kernel(const __grid_constant__ hopper_bwd_params hp) {
 #if FLASHREF_SM90A
   extern __shared__ __align__(1024) unsigned char s_raw[];
-  __shared__ bwd_barriers bar;
+  __shared__ dkdv_barriers bar;
   const dkdv_layout<kD> smem(s_raw);
   const int warpgroup = static_cast<int>(threadIdx.x) / 128;
   if (threadIdx.x == 0) {
@@ -341,7 +347,7 @@ struct dq_layout {
 
 template <class T, int kD>
 __device__ void dq_produce(const hopper_bwd_params& hp, const dq_layout<kD>& smem,
-                           bwd_barriers& bar) {
+                           dq_barriers& bar) {
   using L = dq_layout<kD>;
   const kernel_params& p = hp.bp.fwd;
   const bool leader = threadIdx.x % 32 == 0;
@@ -400,7 +406,7 @@ __device__ void dq_produce(const hopper_bwd_params& hp, const dq_layout<kD>& sme
 
 template <class T, int kD>
 __device__ void dq_consume(const hopper_bwd_params& hp, int consumer, const dq_layout<kD>& smem,
-                           bwd_barriers& bar) {
+                           dq_barriers& bar) {
   using L = dq_layout<kD>;
   const backward_params& bp = hp.bp;
   const kernel_params& p = bp.fwd;
@@ -417,9 +423,13 @@ __device__ void dq_consume(const hopper_bwd_params& hp, int consumer, const dq_l
                     : 0.f;
     delta[r] = valid ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f;
   }
-  float rdQ[kD / 2] = {};  // (64 rows, kD): dQ / scale
+  float rdQ[kD / 2] = {};   // (64 rows, kD): dQ / scale
+  std::uint32_t adS[4][4];  // dS of the tile whose dQ product is in flight
 
-  for (int it = 0;; ++it) {
+  // Turn j issues S_j and dP_j behind dQ += dS_{j-1} K_{j-1}, releases stage j - 1 when that
+  // product is done, and leaves dQ += dS_j K_j running into turn j + 1.
+  int it = 0;
+  for (;; ++it) {
     const int s = it % kBwdStages;
     mbar_wait(&bar.full[s], (it / kBwdStages) & 1);
     const bwd_stage_info info = read_bwd_stage_info(bar.info[s]);
@@ -443,28 +453,40 @@ __device__ void dq_consume(const hopper_bwd_params& hp, int consumer, const dq_l
                                             std::int64_t(info.tile) * kBwdQKeys + at.col0);
       }
     }
-    wgmma_wait<0>();
+    if (it > 0) {  // the previous tile's dQ product is done: its stage goes back
+      wgmma_wait<2>();
+      fence_operands(rdQ);
+      keep_fragments(adS);
+      bar.release((it - 1) % kBwdStages);
+    }
+    wgmma_wait<1>();
     fence_operands(rS);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int nb = i / 4, e = i % 4;
+      const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+      rS[i] = probability(rS[i], on, base[e / 2], p.scale);
+    }
+    wgmma_wait<0>();
     fence_operands(rdP);
 #pragma unroll
     for (int i = 0; i < 32; ++i) {
       const int nb = i / 4, e = i % 4;
       const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
-      gradient_step(rS[i], rdP[i], on, base[e / 2], delta[e / 2], p.scale);
+      rdP[i] = score_gradient(rS[i], rdP[i], on, delta[e / 2]);
     }
-    std::uint32_t adS[4][4];
     fragments_of<T>(rdP, adS);
 
-    // dQ += dS K.
+    // dQ += dS K, left running.
     wgmma_fence();
     product_rs<T, kBwdQKeys, kD>(rdQ, adS, smem.k_stage(s));
     wgmma_commit();
+  }
+  if (it > 0) {
     wgmma_wait<0>();
     fence_operands(rdQ);
     keep_fragments(adS);
-
-    __syncwarp();
-    if (threadIdx.x % 32 == 0) mbar_arrive(&bar.empty[s]);  // this warp is done with stage s
+    bar.release((it - 1) % kBwdStages);
   }
   store_gradient<T, kD>(bp.dq, bp.dq_stride, bp.grad_out, b, h, q0 + consumer * 64, p.len_q, rdQ,
                         p.scale);
@@ -476,7 +498,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     hopper_dq_kernel(const __grid_constant__ hopper_bwd_params hp) {
 #if FLASHREF_SM90A
   extern __shared__ __align__(1024) unsigned char s_raw[];
-  __shared__ bwd_barriers bar;
+  __shared__ dq_barriers bar;
   const dq_layout<kD> smem(s_raw);
   const int warpgroup = static_cast<int>(threadIdx.x) / 128;
   if (threadIdx.x == 0) {

@@ -7,12 +7,12 @@
 //     tiles of kBwdRows rows stream through a ring of stages (Q, dO by TMA; the rows' LSE and
 //     Delta by the producer warp):
 //         Sᵀ = K Qᵀ, dPᵀ = V dOᵀ                 wgmma m64n64, both operands in shared memory
-//         Pᵀ = exp(Sᵀ scale − LSE), dSᵀ = Pᵀ ∘ (dPᵀ − Delta)     gradient_step, per element
+//         Pᵀ = exp(Sᵀ scale − LSE), dSᵀ = Pᵀ ∘ (dPᵀ − Delta)     probability, score_gradient
 //         dV += Pᵀ dO, dK += dSᵀ Q               wgmma m64n{D}, Pᵀ and dSᵀ from registers
 //   dQ kernel (query-major, the forward's shape): a block owns kBwdQRows rows, Q and dO
 //     resident; key tiles of kBwdQKeys keys stream through the ring (K, V by TMA):
 //         S = Q Kᵀ, dP = dO Vᵀ                   wgmma m64n64
-//         P = exp(S scale − LSE), dS = P ∘ (dP − Delta)          gradient_step
+//         P = exp(S scale − LSE), dS = P ∘ (dP − Delta)          probability, score_gradient
 //         dQ += dS K                             wgmma m64n{D}, dS from registers
 //
 // Every tile is stored as D / 64 boxes of (rows, 64) in the 128-byte swizzle layout (sm90.cuh).
@@ -30,7 +30,7 @@ inline constexpr int kBwdKeys = 128;   // dK, dV kernel: keys per block (two con
 inline constexpr int kBwdRows = 64;    // dK, dV kernel: query rows per stage
 inline constexpr int kBwdQRows = 128;  // dQ kernel: query rows per block (two consumers of 64)
 inline constexpr int kBwdQKeys = 64;   // dQ kernel: keys per stage
-inline constexpr int kBwdStages = 2;
+inline constexpr int kBwdStages = 3;
 // Registers per thread after setmaxnreg (the budget must balance, tiles.cuh). The dK, dV kernel's
 // consumers hold dK and dV (2 x D / 2 floats), Sᵀ and dPᵀ (2 x 32) and their A fragments at
 // once: 224, its producer 56 (ptxas spills at 216). The dQ kernel's producer walks key tiles
@@ -91,11 +91,17 @@ __device__ __forceinline__ bwd_stage_info read_bwd_stage_info(const bwd_stage_in
 
 // The barriers of either kernel: `resident` for the tiles loaded once (K and V, or Q and dO),
 // full / empty per stage; the dK, dV kernel's stages also carry their rows' LSE (as the
-// exponent base, below) and Delta.
+// exponent base, below) and Delta, which every consumer thread reads with ordinary loads: there
+// each thread arrives on `empty` itself, so that its own arrival orders its reads before the
+// producer's next writes (one arrival per warp after __syncwarp orders them too, but racecheck
+// follows only a thread's own release). The dQ kernel's consumers read the stages through wgmma
+// alone: one arrival per warp.
+template <int kEmptyArrivals>
 struct bwd_barriers {
+  static constexpr int kArrivals = kEmptyArrivals;
   std::uint64_t resident;
   std::uint64_t full[kBwdStages];
-  std::uint64_t empty[kBwdStages];  // one arrival per consumer warp
+  std::uint64_t empty[kBwdStages];
   bwd_stage_info info[kBwdStages];
   float lse_base[kBwdStages][kBwdRows];  // exp_base(LSE) log2 e of the stage's rows
   float delta[kBwdStages][kBwdRows];
@@ -104,11 +110,24 @@ struct bwd_barriers {
     mbar_init(&resident, 1);
     for (int s = 0; s < kBwdStages; ++s) {
       mbar_init(&full[s], 1);
-      mbar_init(&empty[s], 4 * kConsumers);
+      mbar_init(&empty[s], kEmptyArrivals);
     }
     mbar_init_fence();
   }
+
+  // The calling consumer thread is done with stage s.
+  __device__ void release(int s) {
+    if constexpr (kEmptyArrivals == 128 * kConsumers) {
+      mbar_arrive(&empty[s]);
+    } else {
+      static_assert(kEmptyArrivals == 4 * kConsumers, "one arrival per thread or per warp");
+      __syncwarp();
+      if (threadIdx.x % 32 == 0) mbar_arrive(&empty[s]);
+    }
+  }
 };
+using dkdv_barriers = bwd_barriers<128 * kConsumers>;
+using dq_barriers = bwd_barriers<4 * kConsumers>;
 
 // A row's LSE as the base of its probabilities' exponent, pre-multiplied by log2 e: the
 // reference's guard, exp_base, so that an empty row's LSE = −inf gives base 0 (never
@@ -117,16 +136,17 @@ __device__ __forceinline__ float lse_exponent_base(float lse) {
   return online_softmax<float>::exp_base(lse) * kLog2e;
 }
 
-// SPEC §9's elementwise step for one (row, key) pair: s (the raw score) becomes
-// P = exp(s scale − LSE), dp becomes dS = P (dP − Delta); a masked pair gets P = dS = 0 by
-// selection, never by a product (its score may come from uninitialised keys).
-__device__ __forceinline__ void gradient_step(float& s, float& dp, bool on, float base_log2,
-                                              float delta, float scale) {
+// SPEC §9's elementwise steps for one (row, key) pair, in two halves so that the first can run
+// while dP is still being computed: P = exp(s scale − LSE) from the raw score s, then
+// dS = P (dP − Delta). A masked pair gets P = dS = 0 by selection, never by a product (its
+// score and dP may come from uninitialised keys).
+__device__ __forceinline__ float probability(float s, bool on, float base_log2, float scale) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(fmaf(s * scale, kLog2e, -base_log2)));
-  const float pij = on ? y : 0.f;
-  dp = on ? pij * (dp - delta) : 0.f;
-  s = pij;
+  return on ? y : 0.f;
+}
+__device__ __forceinline__ float score_gradient(float pij, float dp, bool on, float delta) {
+  return on ? pij * (dp - delta) : 0.f;
 }
 
 // Rows [r0, r0 + kRows) of a (rows, kD) global tile into a box_tile with rows at or past
