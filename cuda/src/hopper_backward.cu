@@ -173,11 +173,9 @@ __device__ void dkdv_produce(const hopper_bwd_params& hp, const dkdv_layout<kD>&
   for (int it = 0;; ++it) {
     const int s = it % kBwdStages;
     mbar_wait(&bar.empty[s], ((it / kBwdStages) & 1) ^ 1);  // the consumers released stage s
-    if (!have) {
-      if (leader) {
-        bar.info[s] = {kNoMoreTiles, 0, 0, 0};
-        mbar_arrive(&bar.full[s]);
-      }
+    if (!have) {  // every lane arrives (full counts 32); lane 0 wrote the descriptor first
+      if (leader) bar.info[s] = {kNoMoreTiles, 0, 0, 0};
+      mbar_arrive(&bar.full[s]);
       return;
     }
     const int q0 = static_cast<int>(tile) * kBwdRows;
@@ -190,7 +188,7 @@ __device__ void dkdv_produce(const hopper_bwd_params& hp, const dkdv_layout<kD>&
                 : 0.f;
       bar.delta[s][r] = valid ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f;
     }
-    __syncwarp();  // the lanes' stores before the leader's arrival
+    // Each lane's arrival releases its own stores; lane 0's also announces the TMA bytes.
     if (leader) {
       bar.info[s] = {int(tile), int(h), full && !keys_past_end ? 1 : 0, 0};
       mbar_arrive_expect_tx(&bar.full[s], 2 * L::rows::kBytes);
@@ -200,6 +198,8 @@ __device__ void dkdv_produce(const hopper_bwd_params& hp, const dkdv_layout<kD>&
         tma_load_4d(smem.d_o_stage(s) + c * L::rows::kBoxBytes, &hp.maps.d_o, c * kBoxCols, q0,
                     int(h), b, &bar.full[s]);
       }
+    } else {
+      mbar_arrive(&bar.full[s]);
     }
     have = walker.next(h, tile, full);
   }

@@ -90,15 +90,15 @@ __device__ __forceinline__ bwd_stage_info read_bwd_stage_info(const bwd_stage_in
 }
 
 // The barriers of either kernel: `resident` for the tiles loaded once (K and V, or Q and dO),
-// full / empty per stage; the dK, dV kernel's stages also carry their rows' LSE (as the
-// exponent base, below) and Delta, which every consumer thread reads with ordinary loads: there
-// each thread arrives on `empty` itself, so that its own arrival orders its reads before the
-// producer's next writes (one arrival per warp after __syncwarp orders them too, but racecheck
-// follows only a thread's own release). The dQ kernel's consumers read the stages through wgmma
-// alone: one arrival per warp.
-template <int kEmptyArrivals>
+// full / empty per stage. The dK, dV kernel's stages also carry their rows' LSE (as the
+// exponent base, below) and Delta, written by the producer's lanes and read by every consumer
+// thread with ordinary loads: there every writing lane arrives on `full` and every reading
+// thread on `empty`, so that each thread's own arrival orders its accesses before the other
+// side's (one arrival per warp after __syncwarp orders them too, but racecheck follows only a
+// thread's own release). The dQ kernel's stages are read through wgmma alone: one arrival by
+// the producer, one per consumer warp.
+template <int kFullArrivals, int kEmptyArrivals>
 struct bwd_barriers {
-  static constexpr int kArrivals = kEmptyArrivals;
   std::uint64_t resident;
   std::uint64_t full[kBwdStages];
   std::uint64_t empty[kBwdStages];
@@ -109,7 +109,7 @@ struct bwd_barriers {
   __device__ void init() {
     mbar_init(&resident, 1);
     for (int s = 0; s < kBwdStages; ++s) {
-      mbar_init(&full[s], 1);
+      mbar_init(&full[s], kFullArrivals);
       mbar_init(&empty[s], kEmptyArrivals);
     }
     mbar_init_fence();
@@ -126,8 +126,8 @@ struct bwd_barriers {
     }
   }
 };
-using dkdv_barriers = bwd_barriers<128 * kConsumers>;
-using dq_barriers = bwd_barriers<4 * kConsumers>;
+using dkdv_barriers = bwd_barriers<32, 128 * kConsumers>;
+using dq_barriers = bwd_barriers<1, 4 * kConsumers>;
 
 // A row's LSE as the base of its probabilities' exponent, pre-multiplied by log2 e: the
 // reference's guard, exp_base, so that an empty row's LSE = −inf gives base 0 (never
