@@ -2,7 +2,8 @@
 """The Python binding's cost over the C++ entry, on the CPU backend.
 
 1. Per-call overhead on a tiny problem (B = H = 1, L = 16, D = 64): the median time of
-   flashref.attention(q, k, v) timed in Python, less the median time of the C++ entry
+   flashref.attention(q, k, v) timed in Python, on numpy arrays and (where torch is installed)
+   on torch CPU tensors over the same memory, less the median time of the C++ entry
    attention(problem, backend) on the same arrays timed in C++ (flashref._core.entry_seconds);
    and what one call allocates, as tracemalloc sees it.
 2. The SPEC §8 CPU grid (B·L = 4096 tokens, Hq·D = 2048, dense and causal): GFLOP/s of the C++
@@ -48,14 +49,24 @@ def tiny(backend, calls):
     o = np.empty((1, 1, 16, 64), np.float32)
     lse = np.empty((1, 1, 16), np.float32)
     print(f"tiny problem B = H = 1, L = 16, D = 64, backend {backend}, medians of {calls} calls")
-    print(f"{'call':<46} {'median_us':>10} {'over C++ us':>12}")
+    kinds = [("numpy", (q, k, v))]
+    try:
+        import torch
+
+        kinds.append(("torch CPU", tuple(torch.from_numpy(x) for x in (q, k, v))))
+    except ImportError:
+        pass
+    print(f"{'call':<56} {'median_us':>10} {'over C++ us':>12}")
     for return_lse in (False, True):
         c_entry = entry(q, k, v, o, lse if return_lse else None, "none", backend, calls)
-        py = python_median(
-            lambda: flashref.attention(q, k, v, backend=backend, return_lse=return_lse), calls)
         label = "return_lse=True" if return_lse else "O only"
-        print(f"{'C++ attention(problem, backend), ' + label:<46} {c_entry * 1e6:10.2f}")
-        print(f"{'flashref.attention, ' + label:<46} {py * 1e6:10.2f} {(py - c_entry) * 1e6:12.2f}")
+        print(f"{'C++ attention(problem, backend), ' + label:<56} {c_entry * 1e6:10.2f}")
+        for kind, (a, b, c) in kinds:
+            py = python_median(
+                lambda: flashref.attention(a, b, c, backend=backend, return_lse=return_lse),
+                calls)
+            print(f"{'flashref.attention, ' + kind + ', ' + label:<56} {py * 1e6:10.2f} "
+                  f"{(py - c_entry) * 1e6:12.2f}")
     tracemalloc.start()
     flashref.attention(q, k, v, backend=backend, return_lse=True)
     before = tracemalloc.take_snapshot()

@@ -729,11 +729,18 @@ const torch_api* torch_objects() {
 }
 
 bool is_tensor(const torch_api* t, nb::handle x) {
-  return t && PyObject_IsInstance(x.ptr(), t->tensor) == 1;
+  if (!t) return false;
+  const int r = PyObject_IsInstance(x.ptr(), t->tensor);
+  if (r < 0) throw nb::python_error();  // an __instancecheck__ that raised
+  return r == 1;
 }
 
+// "list", or "ndarray of dtype object" for an array of a dtype no DLPack consumer takes.
 std::string python_type_name(nb::handle x) {
-  return nb::cast<std::string>(nb::handle(x.type()).attr("__name__"));
+  std::string s = nb::cast<std::string>(nb::handle(x.type()).attr("__name__"));
+  if (nb::hasattr(x, "dtype"))
+    s += std::string(" of dtype ") + nb::str(nb::object(x.attr("dtype"))).c_str();
+  return s;
 }
 
 // One argument, read in place. A torch tensor goes through torch's C exporter: nanobind's import

@@ -84,6 +84,39 @@ def test_read_only_inputs_are_accepted():
     assert o.shape == (1, 2, 33, 24) and o.dtype == np.float32
 
 
+def test_lse_is_allocated_only_when_asked_for():
+    # The outputs are allocated by the core (numpy.empty, which tracemalloc sees): O alone
+    # without return_lse, O and LSE with it.
+    import tracemalloc
+
+    q, k, v = random_problem(Hq=1, Lq=1024, Lk=8, D=4, Dv=4)
+    o_bytes, lse_bytes = 1024 * 4 * 4, 1024 * 4
+    tracemalloc.start()
+    try:
+        peaks = {}
+        for return_lse in (False, True):
+            flashref.attention(q, k, v, return_lse=return_lse)  # warm-up
+            tracemalloc.reset_peak()
+            before = tracemalloc.get_traced_memory()[0]
+            result = flashref.attention(q, k, v, return_lse=return_lse)
+            peaks[return_lse] = tracemalloc.get_traced_memory()[1] - before
+            del result
+    finally:
+        tracemalloc.stop()
+    assert o_bytes <= peaks[False] < o_bytes + lse_bytes
+    assert peaks[True] >= o_bytes + lse_bytes
+
+
+def test_outputs_are_new_arrays_of_the_inputs_kind():
+    q, k, v = random_problem()
+    o, lse = flashref.attention(q, k, v, return_lse=True)
+    assert type(o) is np.ndarray and o.flags.c_contiguous and o.flags.writeable
+    assert o.shape == (1, 2, 33, 24) and lse.shape == (1, 2, 33) and lse.dtype == np.float32
+    assert not np.shares_memory(o, q) and not np.shares_memory(o, lse)
+    o = flashref.attention(q, k, v)
+    assert type(o) is np.ndarray
+
+
 def test_blhd_layout_equals_bhld():
     q, k, v = random_problem(Hq=4, Hk=2)
     t = lambda x: np.ascontiguousarray(x.transpose(0, 2, 1, 3))  # noqa: E731

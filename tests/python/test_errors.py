@@ -47,6 +47,17 @@ def test_not_an_array():
     with pytest.raises(TypeError) as e:
         flashref.attention(q.tolist(), k, v)
     assert one_line(e) == "q: expected a numpy array or a torch tensor, got list"
+    with pytest.raises(TypeError) as e:
+        flashref.attention(q, k.tolist(), v)
+    assert one_line(e) == "k: expected a numpy array or a torch tensor, got list"
+    with pytest.raises(TypeError) as e:
+        flashref.attention(q, k, v, block_mask=object(), block_size=4)
+    assert one_line(e) == ("block_mask: expected a numpy array or a torch tensor, got ndarray "
+                          "of dtype object")
+    o, lse = flashref.attention(q, k, v, return_lse=True)
+    with pytest.raises(TypeError) as e:
+        flashref.attention_backward(q, k, v, o, lse, "do")
+    assert one_line(e) == "do: expected a numpy array or a torch tensor, got str"
 
 
 def test_the_library_validates_the_problem():

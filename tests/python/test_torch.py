@@ -52,8 +52,56 @@ def test_strided_tensors_are_read_in_place():
 
 def test_tensors_that_require_grad_are_read_without_a_copy():
     q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    assert _core.describe(q)["data"] == q.data_ptr()
     o = flashref.attention(q, k, v)
-    assert o.shape == (1, 2, 16, 8)
+    assert o.shape == (1, 2, 16, 8) and not o.requires_grad
+
+
+def test_tensors_are_read_through_torchs_c_exporter(monkeypatch):
+    # The binding imports tensors with torch.utils.dlpack.to_dlpack (C code), not through
+    # Tensor.__dlpack__ (Python code that queries devices and streams, microseconds per tensor).
+    fx = flashref.fixtures.load("blocksparse_empty_rows")
+    q, k, v, kw = tensors(fx)
+    flashref.attention(q, k, v, **kw)  # the binding's first call looks torch's objects up
+
+    calls = []
+    dlpack = torch.Tensor.__dlpack__
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.shape)
+        return dlpack(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "__dlpack__", counted)
+    o, lse = flashref.attention(q, k, v, **kw, backend="cpu", return_lse=True)
+    dq, dk, dv = flashref.attention_backward(q, k, v, o, lse, torch.ones_like(o), **kw,
+                                             backend="cpu")
+    assert calls == []
+    assert flashref.check(fx, o, lse)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+
+
+def test_outputs_are_new_tensors_on_q_s_device():
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    o = flashref.attention(q, k, v)
+    assert type(o) is torch.Tensor and o.is_contiguous() and o.dtype == torch.float32
+    o, lse = flashref.attention(q, k, v, return_lse=True)
+    assert lse.shape == (1, 2, 16) and lse.dtype == torch.float32
+    assert o.data_ptr() not in (q.data_ptr(), lse.data_ptr())
+    # blhd: O in q's layout; LSE [B, H, L].
+    o, lse = flashref.attention(q, k, v, layout="blhd", return_lse=True)
+    assert o.shape == (1, 2, 16, 8) and lse.shape == (1, 16, 2)
+    # float64 on the reference backend: O and LSE float64; the gradients too.
+    q64, k64, v64 = (x.double() for x in (q, k, v))
+    o, lse = flashref.attention(q64, k64, v64, backend="reference", return_lse=True)
+    assert o.dtype == torch.float64 and lse.dtype == torch.float64
+    grads = flashref.attention_backward(q64, k64, v64, o, lse, torch.ones_like(o),
+                                        backend="reference")
+    assert all(g.dtype == torch.float64 for g in grads)
+    # mixed kinds: q decides (a numpy k is read in place, the result is a tensor).
+    assert type(flashref.attention(q, k.numpy(), v)) is torch.Tensor
+    with pytest.raises(TypeError) as e:
+        flashref.attention(q, k.tolist(), v)
+    assert str(e.value) == "k: expected a numpy array or a torch tensor, got list"
 
 
 def test_custom_op_is_well_formed():
@@ -98,6 +146,17 @@ def test_cuda_half_inputs_meet_their_fixtures(case, suffix, dtype):
     stream.synchronize()
     assert o.dtype == dtype and lse.dtype == torch.float32
     assert flashref.check(fx, o, lse)
+
+
+@needs_cuda
+def test_cuda_stream_is_the_current_one():
+    from flashref._attention import _current_stream
+
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        assert _current_stream(torch, 0) == stream.cuda_stream
+        assert _current_stream(torch, 0) == torch.cuda.current_stream(0).cuda_stream
+    assert _current_stream(torch, 0) == torch.cuda.current_stream(0).cuda_stream
 
 
 @needs_cuda
