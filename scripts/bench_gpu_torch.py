@@ -77,7 +77,10 @@ def causal_mod(b, h, q, kv):
     return kv <= q
 
 
-def time_fn(fn, seconds):
+def time_fn(fn, seconds, back_to_back=False):
+    """Median seconds per call of fn on the current stream, CUDA events around each timed run:
+    one call per run (synchronised after each), or with back_to_back five runs of several calls
+    each, the events around the whole run (the throughput of a stream of calls)."""
     fn()
     torch.cuda.synchronize()
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -86,14 +89,18 @@ def time_fn(fn, seconds):
     stop.record()
     stop.synchronize()
     first = start.elapsed_time(stop) * 1e-3
-    reps = int(min(200, max(5, seconds / max(first, 1e-7))))
+    if back_to_back:
+        reps, calls = 5, int(min(100, max(5, seconds / 5 / max(first, 1e-7))))
+    else:
+        reps, calls = int(min(200, max(5, seconds / max(first, 1e-7)))), 1
     times = []
     for _ in range(reps):
         start.record()
-        fn()
+        for _ in range(calls):
+            fn()
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e-3)
+        times.append(start.elapsed_time(stop) * 1e-3 / calls)
     times.sort()
     return times[len(times) // 2]
 

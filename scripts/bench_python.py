@@ -105,31 +105,6 @@ def grid(backend, lengths, head_dims, repeats, tokens=4096, model=2048):
                       f"{flops / py * 1e-9:15.1f} {c_entry / py:11.3f}")
 
 
-def time_streamed(fn, seconds):
-    """Per-call seconds of `fn` called back to back on the current stream: CUDA events around
-    runs of calls with one synchronisation each, the median over five runs."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    stop.record()
-    stop.synchronize()
-    first = start.elapsed_time(stop) * 1e-3
-    calls = int(min(100, max(5, seconds / 5 / max(first, 1e-7))))
-    runs = []
-    for _ in range(5):
-        start.record()
-        for _ in range(calls):
-            fn()
-        stop.record()
-        stop.synchronize()
-        runs.append(start.elapsed_time(stop) * 1e-3 / calls)
-    return statistics.median(runs)
-
-
 def gpu_grid(ours_json, seconds, seed):
     import json
     import os
@@ -174,7 +149,7 @@ def gpu_grid(ours_json, seconds, seed):
         t = time_fn(call, seconds)
         py = r["flops"] / t * 1e-12
         ratios.append(py / r["tflops"])
-        streamed = r["flops"] / time_streamed(call, seconds) * 1e-12
+        streamed = r["flops"] / time_fn(call, seconds, back_to_back=True) * 1e-12
         stream_ratios.append(streamed / r["tflops"])
         label = r["mask"] if r["mask"] != "block_sparse" else f"bs {r['density']:g}"
         print(f"{label:<13} {B:>3} {H:>3} {L:>6} {D:>4} {r['dtype']:>9} {r['tflops']:12.1f} "

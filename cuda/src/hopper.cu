@@ -34,12 +34,6 @@
 namespace flashref::cuda::detail {
 namespace {
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FLASHREF_SM90A 1
-#else
-#define FLASHREF_SM90A 0
-#endif
-
 struct hopper_params {
   sm90::tensor_maps maps;
   kernel_params p;

@@ -36,12 +36,6 @@
 namespace flashref::cuda::detail {
 namespace {
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define FLASHREF_SM90A 1
-#else
-#define FLASHREF_SM90A 0
-#endif
-
 using namespace sm90;
 
 struct bwd_maps {
@@ -124,220 +118,196 @@ __device__ void store_gradient(void* g, const std::int64_t* stride, elem out, st
   }
 }
 
-// --- dK, dV ------------------------------------------------------------------------------------
+// Shared memory of either pass: two resident tiles of kResident rows, then kBwdStages stages
+// of two tiles of kStaged rows, atom-aligned.
+template <int kResident, int kStaged, int kD>
+struct bwd_layout {
+  using resident_tile = box_tile<kResident, kD>;
+  using staged_tile = box_tile<kStaged, kD>;
+  static constexpr int kSmemBytes =
+      2 * resident_tile::kBytes + 2 * kBwdStages * staged_tile::kBytes + kAtomBytes;
+  unsigned char* resident[2];
+  unsigned char* staged[2];  // stage 0 of each staged tile
 
-template <int kD>
-struct dkdv_layout {
-  using kv = box_tile<kBwdKeys, kD>;    // K, V: (kBwdKeys, kD)
-  using rows = box_tile<kBwdRows, kD>;  // Q, dO of a stage: (kBwdRows, kD)
-  static constexpr int kSmemBytes = 2 * kv::kBytes + 2 * kBwdStages * rows::kBytes + kAtomBytes;
-  unsigned char *k, *v, *q, *d_o;
-
-  __device__ explicit dkdv_layout(unsigned char* raw) {
+  __device__ explicit bwd_layout(unsigned char* raw) {
     const std::uint32_t base = smem_addr(raw);
-    k = raw + ((kAtomBytes - base % kAtomBytes) % kAtomBytes);
-    v = k + kv::kBytes;
-    q = v + kv::kBytes;
-    d_o = q + kBwdStages * rows::kBytes;
+    resident[0] = raw + ((kAtomBytes - base % kAtomBytes) % kAtomBytes);
+    resident[1] = resident[0] + resident_tile::kBytes;
+    staged[0] = resident[1] + resident_tile::kBytes;
+    staged[1] = staged[0] + kBwdStages * staged_tile::kBytes;
   }
-  __device__ unsigned char* q_stage(int s) const { return q + s * rows::kBytes; }
-  __device__ unsigned char* d_o_stage(int s) const { return d_o + s * rows::kBytes; }
+  // Staged tile `which` of stage s.
+  __device__ unsigned char* stage(int which, int s) const {
+    return staged[which] + s * staged_tile::kBytes;
+  }
 };
 
-template <class T, int kD>
-__device__ void dkdv_produce(const hopper_bwd_params& hp, const dkdv_layout<kD>& smem,
-                             dkdv_barriers& bar) {
-  using L = dkdv_layout<kD>;
-  const backward_params& bp = hp.bp;
-  const kernel_params& p = bp.fwd;
-  const bool leader = threadIdx.x % 32 == 0;
-  const int lane = static_cast<int>(threadIdx.x % 32);
-  const int k0 = static_cast<int>(blockIdx.x) * kBwdKeys;
-  const int hk = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
-  const std::int64_t k1 = k0 + kBwdKeys < p.len_k ? k0 + kBwdKeys : p.len_k;
-  // A block running past the last key holds keys that do not exist: element-mask every tile.
-  const bool keys_past_end = k0 + kBwdKeys > p.len_k;
-  query_tile_walker<kBwdRows> walker(p.mask, b, hk * p.group, (hk + 1) * p.group, k0, k1);
-  std::int64_t h = 0, tile = 0;
-  bool full = false;
-  bool have = walker.next(h, tile, full);
-  if (have && leader) {
-    mbar_arrive_expect_tx(&bar.resident, 2 * L::kv::kBytes);
-    for (int c = 0; c < kD / kBoxCols; ++c) {
-      tma_load_4d(smem.k + c * L::kv::kBoxBytes, &hp.maps.k, c * kBoxCols, k0, hk, b,
-                  &bar.resident);
-      tma_load_4d(smem.v + c * L::kv::kBoxBytes, &hp.maps.v, c * kBoxCols, k0, hk, b,
-                  &bar.resident);
-    }
-  }
-  for (int it = 0;; ++it) {
-    const int s = it % kBwdStages;
-    mbar_wait(&bar.empty[s], ((it / kBwdStages) & 1) ^ 1);  // the consumers released stage s
-    if (!have) {  // every lane arrives (full counts 32); lane 0 wrote the descriptor first
-      if (leader) bar.info[s] = {kNoMoreTiles, 0, 0, 0};
-      mbar_arrive(&bar.full[s]);
-      return;
-    }
-    const int q0 = static_cast<int>(tile) * kBwdRows;
-    for (int r = lane; r < kBwdRows; r += 32) {
-      const std::int64_t i = q0 + r;
-      const bool valid = i < p.len_q;
-      bar.lse_base[s][r] =
-          valid ? lse_exponent_base(
-                      p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]])
-                : 0.f;
-      bar.delta[s][r] = valid ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f;
-    }
-    // Each lane's arrival releases its own stores; lane 0's also announces the TMA bytes.
-    if (leader) {
-      bar.info[s] = {int(tile), int(h), full && !keys_past_end ? 1 : 0, 0};
-      mbar_arrive_expect_tx(&bar.full[s], 2 * L::rows::kBytes);
+// --- dK, dV ------------------------------------------------------------------------------------
+
+// Resident K (tile 0) and V (tile 1) of 128 keys; stages of Q (tile 0) and dO (tile 1).
+template <int kD>
+using dkdv_layout = bwd_layout<kBwdKeys, kBwdRows, kD>;
+
+// The dK, dV pass: its barriers, register split and layout, the producer warp and a
+// consumer warpgroup, as the kernel template below takes them.
+struct dkdv_pass {
+  using barriers = dkdv_barriers;
+  using registers = dkdv_registers;
+  template <int kD>
+  using layout = dkdv_layout<kD>;
+
+  template <class T, int kD>
+  __device__ static void produce(const hopper_bwd_params& hp, const dkdv_layout<kD>& smem,
+                                 dkdv_barriers& bar) {
+    using L = dkdv_layout<kD>;
+    const backward_params& bp = hp.bp;
+    const kernel_params& p = bp.fwd;
+    const bool leader = threadIdx.x % 32 == 0;
+    const int lane = static_cast<int>(threadIdx.x % 32);
+    const int k0 = static_cast<int>(blockIdx.x) * kBwdKeys;
+    const int hk = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+    const std::int64_t k1 = k0 + kBwdKeys < p.len_k ? k0 + kBwdKeys : p.len_k;
+    // A block running past the last key holds keys that do not exist: element-mask every tile.
+    const bool keys_past_end = k0 + kBwdKeys > p.len_k;
+    query_tile_walker<kBwdRows> walker(p.mask, b, hk * p.group, (hk + 1) * p.group, k0, k1);
+    std::int64_t h = 0, tile = 0;
+    bool full = false;
+    bool have = walker.next(h, tile, full);
+    if (have && leader) {
+      mbar_arrive_expect_tx(&bar.resident, 2 * L::resident_tile::kBytes);
       for (int c = 0; c < kD / kBoxCols; ++c) {
-        tma_load_4d(smem.q_stage(s) + c * L::rows::kBoxBytes, &hp.maps.q, c * kBoxCols, q0, int(h),
-                    b, &bar.full[s]);
-        tma_load_4d(smem.d_o_stage(s) + c * L::rows::kBoxBytes, &hp.maps.d_o, c * kBoxCols, q0,
-                    int(h), b, &bar.full[s]);
+        tma_load_4d(smem.resident[0] + c * L::resident_tile::kBoxBytes, &hp.maps.k, c * kBoxCols,
+                    k0, hk, b, &bar.resident);
+        tma_load_4d(smem.resident[1] + c * L::resident_tile::kBoxBytes, &hp.maps.v, c * kBoxCols,
+                    k0, hk, b, &bar.resident);
       }
-    } else {
-      mbar_arrive(&bar.full[s]);
     }
-    have = walker.next(h, tile, full);
+    for (int it = 0;; ++it) {
+      const int s = it % kBwdStages;
+      mbar_wait(&bar.empty[s], ((it / kBwdStages) & 1) ^ 1);  // the consumers released stage s
+      if (!have) {  // every lane arrives (full counts 32); lane 0 wrote the descriptor first
+        if (leader) bar.info[s] = {kNoMoreTiles, 0, 0, 0};
+        mbar_arrive(&bar.full[s]);
+        return;
+      }
+      const int q0 = static_cast<int>(tile) * kBwdRows;
+      for (int r = lane; r < kBwdRows; r += 32) {
+        const std::int64_t i = q0 + r;
+        const bool valid = i < p.len_q;
+        bar.lse_base[s][r] =
+            valid ? lse_exponent_base(
+                        p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]])
+                  : 0.f;
+        bar.delta[s][r] = valid ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f;
+      }
+      // Each lane's arrival releases its own stores; lane 0's also announces the TMA bytes.
+      if (leader) {
+        bar.info[s] = {int(tile), int(h), full && !keys_past_end ? 1 : 0, 0};
+        mbar_arrive_expect_tx(&bar.full[s], 2 * L::staged_tile::kBytes);
+        for (int c = 0; c < kD / kBoxCols; ++c) {
+          tma_load_4d(smem.stage(0, s) + c * L::staged_tile::kBoxBytes, &hp.maps.q, c * kBoxCols,
+                      q0, int(h), b, &bar.full[s]);
+          tma_load_4d(smem.stage(1, s) + c * L::staged_tile::kBoxBytes, &hp.maps.d_o, c * kBoxCols,
+                      q0, int(h), b, &bar.full[s]);
+        }
+      } else {
+        mbar_arrive(&bar.full[s]);
+      }
+      have = walker.next(h, tile, full);
+    }
   }
-}
 
-template <class T, int kD>
-__device__ void dkdv_consume(const hopper_bwd_params& hp, int consumer, const dkdv_layout<kD>& smem,
-                             dkdv_barriers& bar) {
-  using L = dkdv_layout<kD>;
-  const backward_params& bp = hp.bp;
-  const kernel_params& p = bp.fwd;
-  const int t = static_cast<int>(threadIdx.x % 128);
-  const std::int64_t k0 = std::int64_t(blockIdx.x) * kBwdKeys;
-  const std::int64_t hk = blockIdx.y, b = blockIdx.z;
-  const int key_row0 = consumer * 64;  // this warpgroup's keys in the block
-  // This thread's keys (rows of Sᵀ): key_a and key_a + 8; its query columns i0 + 8 nb + c.
-  const std::int64_t key_a = k0 + key_row0 + (t / 32) * 16 + (t % 32) / 4;
-  const int col0 = 2 * (t % 4);
-  float rdK[kD / 2] = {};  // (64 keys, kD): dK / scale
-  float rdV[kD / 2] = {};
+  template <class T, int kD>
+  __device__ static void consume(const hopper_bwd_params& hp, int consumer,
+                                 const dkdv_layout<kD>& smem, dkdv_barriers& bar) {
+    using L = dkdv_layout<kD>;
+    const backward_params& bp = hp.bp;
+    const kernel_params& p = bp.fwd;
+    const int t = static_cast<int>(threadIdx.x % 128);
+    const std::int64_t k0 = std::int64_t(blockIdx.x) * kBwdKeys;
+    const std::int64_t hk = blockIdx.y, b = blockIdx.z;
+    const int key_row0 = consumer * 64;  // this warpgroup's keys in the block
+    // This thread's keys (rows of Sᵀ): key_a and key_a + 8; its query columns i0 + 8 nb + c.
+    const std::int64_t key_a = k0 + key_row0 + (t / 32) * 16 + (t % 32) / 4;
+    const int col0 = 2 * (t % 4);
+    float rdK[kD / 2] = {};  // (64 keys, kD): dK / scale
+    float rdV[kD / 2] = {};
 
-  for (int it = 0;; ++it) {
-    const int s = it % kBwdStages;
-    mbar_wait(&bar.full[s], (it / kBwdStages) & 1);
-    const bwd_stage_info info = read_bwd_stage_info(bar.info[s]);
-    if (info.tile == kNoMoreTiles) break;
-    if (it == 0) mbar_wait(&bar.resident, 0);
-    const unsigned char* sQ = smem.q_stage(s);
-    const unsigned char* sdO = smem.d_o_stage(s);
+    for (int it = 0;; ++it) {
+      const int s = it % kBwdStages;
+      mbar_wait(&bar.full[s], (it / kBwdStages) & 1);
+      const bwd_stage_info info = read_bwd_stage_info(bar.info[s]);
+      if (info.tile == kNoMoreTiles) break;
+      if (it == 0) mbar_wait(&bar.resident, 0);
+      const unsigned char* sQ = smem.stage(0, s);
+      const unsigned char* sdO = smem.stage(1, s);
 
-    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, issued together; Sᵀ is waited for first.
-    float rS[32], rdP[32];
-    wgmma_fence();
-    product_ss<T, kBwdKeys, kBwdRows, kD>(rS, smem.k, key_row0, sQ);
-    wgmma_commit();
-    product_ss<T, kBwdKeys, kBwdRows, kD>(rdP, smem.v, key_row0, sdO);
-    wgmma_commit();
+      // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, issued together; Sᵀ is waited for first.
+      float rS[32], rdP[32];
+      wgmma_fence();
+      product_ss<T, kBwdKeys, kBwdRows, kD>(rS, smem.resident[0], key_row0, sQ);
+      wgmma_commit();
+      product_ss<T, kBwdKeys, kBwdRows, kD>(rdP, smem.resident[1], key_row0, sdO);
+      wgmma_commit();
 
-    // Bit 2 nb + c of visible[r]: query q0 + col0 + 8 nb + c sees key key_a + 8 r.
-    const std::int64_t q0 = std::int64_t(info.tile) * kBwdRows;
-    std::uint32_t visible[2] = {~0u, ~0u};
-    if (info.full == 0) {
+      // Bit 2 nb + c of visible[r]: query q0 + col0 + 8 nb + c sees key key_a + 8 r.
+      const std::int64_t q0 = std::int64_t(info.tile) * kBwdRows;
+      std::uint32_t visible[2] = {~0u, ~0u};
+      if (info.full == 0) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-        visible[r] = query_bits<8>(p.mask, b, info.head, key_a + 8 * r, q0 + col0);
-    }
-    const float* base = bar.lse_base[s];
-    const float* delta = bar.delta[s];
+        for (int r = 0; r < 2; ++r)
+          visible[r] = query_bits<8>(p.mask, b, info.head, key_a + 8 * r, q0 + col0);
+      }
+      const float* base = bar.lse_base[s];
+      const float* delta = bar.delta[s];
 
-    // Pᵀ while dPᵀ runs, then dSᵀ (P in place of S, dS in place of dP: with dK and dV this
-    // is what fits in the registers).
-    wgmma_wait<1>();
-    fence_operands(rS);
+      // Pᵀ while dPᵀ runs, then dSᵀ (P in place of S, dS in place of dP: with dK and dV this
+      // is what fits in the registers).
+      wgmma_wait<1>();
+      fence_operands(rS);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int nb = i / 4, e = i % 4;
-      const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
-      rS[i] = probability(rS[i], on, base[8 * nb + col0 + e % 2], p.scale);
-    }
-    wgmma_wait<0>();
-    fence_operands(rdP);
+      for (int i = 0; i < 32; ++i) {
+        const int nb = i / 4, e = i % 4;
+        const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+        rS[i] = probability(rS[i], on, base[8 * nb + col0 + e % 2], p.scale);
+      }
+      wgmma_wait<0>();
+      fence_operands(rdP);
 #pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int nb = i / 4, e = i % 4;
-      const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
-      rdP[i] = score_gradient(rS[i], rdP[i], on, delta[8 * nb + col0 + e % 2]);
+      for (int i = 0; i < 32; ++i) {
+        const int nb = i / 4, e = i % 4;
+        const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+        rdP[i] = score_gradient(rS[i], rdP[i], on, delta[8 * nb + col0 + e % 2]);
+      }
+      std::uint32_t aP[4][4], adS[4][4];
+      fragments_of<T>(rS, aP);
+      fragments_of<T>(rdP, adS);
+
+      // dV += Pᵀ dO, dK += dSᵀ Q.
+      wgmma_fence();
+      product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
+      product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands(rdV);
+      fence_operands(rdK);
+      keep_fragments(aP);
+      keep_fragments(adS);
+
+      bar.release(s);
     }
-    std::uint32_t aP[4][4], adS[4][4];
-    fragments_of<T>(rS, aP);
-    fragments_of<T>(rdP, adS);
-
-    // dV += Pᵀ dO, dK += dSᵀ Q.
-    wgmma_fence();
-    product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
-    product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
-    wgmma_commit();
-    wgmma_wait<0>();
-    fence_operands(rdV);
-    fence_operands(rdK);
-    keep_fragments(aP);
-    keep_fragments(adS);
-
-    bar.release(s);
+    const std::int64_t row0 = k0 + key_row0;
+    store_gradient<T, kD>(bp.dk, bp.dk_stride, bp.grad_out, b, hk, row0, p.len_k, rdK, p.scale);
+    store_gradient<T, kD>(bp.dv, bp.dv_stride, bp.grad_out, b, hk, row0, p.len_k, rdV, 1.f);
+    (void)L::kSmemBytes;
   }
-  const std::int64_t row0 = k0 + key_row0;
-  store_gradient<T, kD>(bp.dk, bp.dk_stride, bp.grad_out, b, hk, row0, p.len_k, rdK, p.scale);
-  store_gradient<T, kD>(bp.dv, bp.dv_stride, bp.grad_out, b, hk, row0, p.len_k, rdV, 1.f);
-  (void)L::kSmemBytes;
-}
-
-template <class T, int kD>
-__global__ void __launch_bounds__(kThreads, 1)
-    hopper_dkdv_kernel(const __grid_constant__ hopper_bwd_params hp) {
-#if FLASHREF_SM90A
-  extern __shared__ __align__(1024) unsigned char s_raw[];
-  __shared__ dkdv_barriers bar;
-  const dkdv_layout<kD> smem(s_raw);
-  const int warpgroup = static_cast<int>(threadIdx.x) / 128;
-  if (threadIdx.x == 0) {
-    bar.init();
-    tma_prefetch_map(&hp.maps.q);
-    tma_prefetch_map(&hp.maps.d_o);
-    tma_prefetch_map(&hp.maps.k);
-    tma_prefetch_map(&hp.maps.v);
-  }
-  __syncthreads();
-  if (warpgroup == 0) {
-    setmaxnreg_dec<dkdv_registers::kProducerRegs>();
-    if (threadIdx.x < 32) dkdv_produce<T, kD>(hp, smem, bar);
-  } else {
-    setmaxnreg_inc<dkdv_registers::kConsumerRegs>();
-    dkdv_consume<T, kD>(hp, warpgroup - 1, smem, bar);
-  }
-#else
-  (void)hp;
-  __trap();
-#endif
-}
+};
 
 // --- dQ ----------------------------------------------------------------------------------------
 
+// Resident Q (tile 0) and dO (tile 1) of 128 rows; stages of K (tile 0) and V (tile 1).
 template <int kD>
-struct dq_layout {
-  using rows = box_tile<kBwdQRows, kD>;  // Q, dO: (kBwdQRows, kD)
-  using kv = box_tile<kBwdQKeys, kD>;    // K, V of a stage: (kBwdQKeys, kD)
-  static constexpr int kSmemBytes = 2 * rows::kBytes + 2 * kBwdStages * kv::kBytes + kAtomBytes;
-  unsigned char *q, *d_o, *k, *v;
-
-  __device__ explicit dq_layout(unsigned char* raw) {
-    const std::uint32_t base = smem_addr(raw);
-    q = raw + ((kAtomBytes - base % kAtomBytes) % kAtomBytes);
-    d_o = q + rows::kBytes;
-    k = d_o + rows::kBytes;
-    v = k + kBwdStages * kv::kBytes;
-  }
-  __device__ unsigned char* k_stage(int s) const { return k + s * kv::kBytes; }
-  __device__ unsigned char* v_stage(int s) const { return v + s * kv::kBytes; }
-};
+using dq_layout = bwd_layout<kBwdQRows, kBwdQKeys, kD>;
 
 // Query tile blockIdx.x counted from the end: under a causal mask the last tiles see the most
 // keys, so the heavy blocks start first.
@@ -345,161 +315,177 @@ struct dq_layout {
   return (std::int64_t(gridDim.x) - 1 - blockIdx.x) * kBwdQRows;
 }
 
-template <class T, int kD>
-__device__ void dq_produce(const hopper_bwd_params& hp, const dq_layout<kD>& smem,
-                           dq_barriers& bar) {
-  using L = dq_layout<kD>;
-  const kernel_params& p = hp.bp.fwd;
-  const bool leader = threadIdx.x % 32 == 0;
-  const std::int64_t q0 = dq_row0();
-  const std::int64_t q1 = q0 + kBwdQRows < p.len_q ? q0 + kBwdQRows : p.len_q;
-  const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
-  const int hk = h / static_cast<int>(p.group);
-  tile_walker<kBwdQKeys> walker(p.mask, b, h, q0, q1);
-  std::int64_t tile = 0;
-  bool full = false;
-  bool have = walker.next(tile, full);
-  if (have && leader) {
-    mbar_arrive_expect_tx(&bar.resident, 2 * L::rows::kBytes);
-    for (int c = 0; c < kD / kBoxCols; ++c) {
-      tma_load_4d(smem.q + c * L::rows::kBoxBytes, &hp.maps.q, c * kBoxCols, int(q0), h, b,
-                  &bar.resident);
-      tma_load_4d(smem.d_o + c * L::rows::kBoxBytes, &hp.maps.d_o, c * kBoxCols, int(q0), h, b,
-                  &bar.resident);
-    }
-  }
-  const T* gK = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
-  for (int it = 0;; ++it) {
-    const int s = it % kBwdStages;
-    mbar_wait(&bar.empty[s], ((it / kBwdStages) & 1) ^ 1);  // the consumers released stage s
-    if (!have) {
-      if (leader) {
-        bar.info[s] = {kNoMoreTiles, 0, 0, 0};
-        mbar_arrive(&bar.full[s]);
-      }
-      return;
-    }
-    const int k0 = static_cast<int>(tile) * kBwdQKeys;
-    // The tile that straddles kv_len: K's rows past it zero-filled by the lanes (dS = 0 there
-    // meets them in dQ += dS K); V's may stay as they are (dP is only selected from).
-    const bool k_tail = k0 + kBwdQKeys > walker.key_end && walker.key_end < p.len_k;
-    if (k_tail) {
-      load_rows_zero_tail<T, kBwdQKeys, kD>(smem.k_stage(s), gK, p.k_stride[2], k0, walker.key_end);
-      fence_proxy_async();  // the stores above are read by wgmma
-      __syncwarp();
-    }
-    if (leader) {
-      bar.info[s] = {int(tile), h, full ? 1 : 0, 0};
-      mbar_arrive_expect_tx(&bar.full[s], (k_tail ? 1 : 2) * L::kv::kBytes);
+// The dQ pass: its barriers, register split and layout, the producer warp and a
+// consumer warpgroup, as the kernel template below takes them.
+struct dq_pass {
+  using barriers = dq_barriers;
+  using registers = dq_registers;
+  template <int kD>
+  using layout = dq_layout<kD>;
+
+  template <class T, int kD>
+  __device__ static void produce(const hopper_bwd_params& hp, const dq_layout<kD>& smem,
+                                 dq_barriers& bar) {
+    using L = dq_layout<kD>;
+    const kernel_params& p = hp.bp.fwd;
+    const bool leader = threadIdx.x % 32 == 0;
+    const std::int64_t q0 = dq_row0();
+    const std::int64_t q1 = q0 + kBwdQRows < p.len_q ? q0 + kBwdQRows : p.len_q;
+    const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
+    const int hk = h / static_cast<int>(p.group);
+    tile_walker<kBwdQKeys> walker(p.mask, b, h, q0, q1);
+    std::int64_t tile = 0;
+    bool full = false;
+    bool have = walker.next(tile, full);
+    if (have && leader) {
+      mbar_arrive_expect_tx(&bar.resident, 2 * L::resident_tile::kBytes);
       for (int c = 0; c < kD / kBoxCols; ++c) {
-        if (!k_tail) {
-          tma_load_4d(smem.k_stage(s) + c * L::kv::kBoxBytes, &hp.maps.k, c * kBoxCols, k0, hk, b,
-                      &bar.full[s]);
+        tma_load_4d(smem.resident[0] + c * L::resident_tile::kBoxBytes, &hp.maps.q, c * kBoxCols,
+                    int(q0), h, b, &bar.resident);
+        tma_load_4d(smem.resident[1] + c * L::resident_tile::kBoxBytes, &hp.maps.d_o, c * kBoxCols,
+                    int(q0), h, b, &bar.resident);
+      }
+    }
+    const T* gK = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+    for (int it = 0;; ++it) {
+      const int s = it % kBwdStages;
+      mbar_wait(&bar.empty[s], ((it / kBwdStages) & 1) ^ 1);  // the consumers released stage s
+      if (!have) {
+        if (leader) {
+          bar.info[s] = {kNoMoreTiles, 0, 0, 0};
+          mbar_arrive(&bar.full[s]);
         }
-        tma_load_4d(smem.v_stage(s) + c * L::kv::kBoxBytes, &hp.maps.v, c * kBoxCols, k0, hk, b,
-                    &bar.full[s]);
+        return;
       }
-    }
-    have = walker.next(tile, full);
-  }
-}
-
-template <class T, int kD>
-__device__ void dq_consume(const hopper_bwd_params& hp, int consumer, const dq_layout<kD>& smem,
-                           dq_barriers& bar) {
-  using L = dq_layout<kD>;
-  const backward_params& bp = hp.bp;
-  const kernel_params& p = bp.fwd;
-  const std::int64_t q0 = dq_row0();
-  const std::int64_t h = blockIdx.y, b = blockIdx.z;
-  const fragment_coords at(consumer);  // rows at.row0, at.row0 + 8 of the block; columns col0
-  float base[2], delta[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const std::int64_t i = q0 + at.row0 + 8 * r;
-    const bool valid = i < p.len_q;
-    base[r] = valid ? lse_exponent_base(
-                          p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]])
-                    : 0.f;
-    delta[r] = valid ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f;
-  }
-  float rdQ[kD / 2] = {};   // (64 rows, kD): dQ / scale
-  std::uint32_t adS[4][4];  // dS of the tile whose dQ product is in flight
-
-  // Turn j issues S_j and dP_j behind dQ += dS_{j-1} K_{j-1}, releases stage j - 1 when that
-  // product is done, and leaves dQ += dS_j K_j running into turn j + 1.
-  int it = 0;
-  for (;; ++it) {
-    const int s = it % kBwdStages;
-    mbar_wait(&bar.full[s], (it / kBwdStages) & 1);
-    const bwd_stage_info info = read_bwd_stage_info(bar.info[s]);
-    if (info.tile == kNoMoreTiles) break;
-    if (it == 0) mbar_wait(&bar.resident, 0);
-
-    // S = Q Kᵀ and dP = dO Vᵀ, issued together.
-    float rS[32], rdP[32];
-    wgmma_fence();
-    product_ss<T, kBwdQRows, kBwdQKeys, kD>(rS, smem.q, consumer * 64, smem.k_stage(s));
-    wgmma_commit();
-    product_ss<T, kBwdQRows, kBwdQKeys, kD>(rdP, smem.d_o, consumer * 64, smem.v_stage(s));
-    wgmma_commit();
-
-    // Bit 2 nb + c of visible[r]: row q0 + at.row0 + 8 r sees key k0 + at.col0 + 8 nb + c.
-    std::uint32_t visible[2] = {~0u, ~0u};
-    if (info.full == 0) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        visible[r] = tile_mask::key_bits<8>(p.mask, b, h, q0 + at.row0 + 8 * r,
-                                            std::int64_t(info.tile) * kBwdQKeys + at.col0);
+      const int k0 = static_cast<int>(tile) * kBwdQKeys;
+      // The tile that straddles kv_len: K's rows past it zero-filled by the lanes (dS = 0 there
+      // meets them in dQ += dS K); V's may stay as they are (dP is only selected from).
+      const bool k_tail = k0 + kBwdQKeys > walker.key_end && walker.key_end < p.len_k;
+      if (k_tail) {
+        load_rows_zero_tail<T, kBwdQKeys, kD>(smem.stage(0, s), gK, p.k_stride[2], k0,
+                                              walker.key_end);
+        fence_proxy_async();  // the stores above are read by wgmma
+        __syncwarp();
       }
+      if (leader) {
+        bar.info[s] = {int(tile), h, full ? 1 : 0, 0};
+        mbar_arrive_expect_tx(&bar.full[s], (k_tail ? 1 : 2) * L::staged_tile::kBytes);
+        for (int c = 0; c < kD / kBoxCols; ++c) {
+          if (!k_tail) {
+            tma_load_4d(smem.stage(0, s) + c * L::staged_tile::kBoxBytes, &hp.maps.k, c * kBoxCols,
+                        k0, hk, b, &bar.full[s]);
+          }
+          tma_load_4d(smem.stage(1, s) + c * L::staged_tile::kBoxBytes, &hp.maps.v, c * kBoxCols,
+                      k0, hk, b, &bar.full[s]);
+        }
+      }
+      have = walker.next(tile, full);
     }
-    if (it > 0) {  // the previous tile's dQ product is done: its stage goes back
-      wgmma_wait<2>();
+  }
+
+  template <class T, int kD>
+  __device__ static void consume(const hopper_bwd_params& hp, int consumer,
+                                 const dq_layout<kD>& smem, dq_barriers& bar) {
+    using L = dq_layout<kD>;
+    const backward_params& bp = hp.bp;
+    const kernel_params& p = bp.fwd;
+    const std::int64_t q0 = dq_row0();
+    const std::int64_t h = blockIdx.y, b = blockIdx.z;
+    const fragment_coords at(consumer);  // rows at.row0, at.row0 + 8 of the block; columns col0
+    float base[2], delta[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const std::int64_t i = q0 + at.row0 + 8 * r;
+      const bool valid = i < p.len_q;
+      base[r] = valid ? lse_exponent_base(
+                            p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]])
+                      : 0.f;
+      delta[r] = valid ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f;
+    }
+    float rdQ[kD / 2] = {};   // (64 rows, kD): dQ / scale
+    std::uint32_t adS[4][4];  // dS of the tile whose dQ product is in flight
+
+    // Turn j issues S_j and dP_j behind dQ += dS_{j-1} K_{j-1}, releases stage j - 1 when that
+    // product is done, and leaves dQ += dS_j K_j running into turn j + 1.
+    int it = 0;
+    for (;; ++it) {
+      const int s = it % kBwdStages;
+      mbar_wait(&bar.full[s], (it / kBwdStages) & 1);
+      const bwd_stage_info info = read_bwd_stage_info(bar.info[s]);
+      if (info.tile == kNoMoreTiles) break;
+      if (it == 0) mbar_wait(&bar.resident, 0);
+
+      // S = Q Kᵀ and dP = dO Vᵀ, issued together.
+      float rS[32], rdP[32];
+      wgmma_fence();
+      product_ss<T, kBwdQRows, kBwdQKeys, kD>(rS, smem.resident[0], consumer * 64,
+                                              smem.stage(0, s));
+      wgmma_commit();
+      product_ss<T, kBwdQRows, kBwdQKeys, kD>(rdP, smem.resident[1], consumer * 64,
+                                              smem.stage(1, s));
+      wgmma_commit();
+
+      // Bit 2 nb + c of visible[r]: row q0 + at.row0 + 8 r sees key k0 + at.col0 + 8 nb + c.
+      std::uint32_t visible[2] = {~0u, ~0u};
+      if (info.full == 0) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          visible[r] = tile_mask::key_bits<8>(p.mask, b, h, q0 + at.row0 + 8 * r,
+                                              std::int64_t(info.tile) * kBwdQKeys + at.col0);
+        }
+      }
+      if (it > 0) {  // the previous tile's dQ product is done: its stage goes back
+        wgmma_wait<2>();
+        fence_operands(rdQ);
+        keep_fragments(adS);
+        bar.release((it - 1) % kBwdStages);
+      }
+      wgmma_wait<1>();
+      fence_operands(rS);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int nb = i / 4, e = i % 4;
+        const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+        rS[i] = probability(rS[i], on, base[e / 2], p.scale);
+      }
+      wgmma_wait<0>();
+      fence_operands(rdP);
+#pragma unroll
+      for (int i = 0; i < 32; ++i) {
+        const int nb = i / 4, e = i % 4;
+        const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+        rdP[i] = score_gradient(rS[i], rdP[i], on, delta[e / 2]);
+      }
+      fragments_of<T>(rdP, adS);
+
+      // dQ += dS K, left running.
+      wgmma_fence();
+      product_rs<T, kBwdQKeys, kD>(rdQ, adS, smem.stage(0, s));
+      wgmma_commit();
+    }
+    if (it > 0) {
+      wgmma_wait<0>();
       fence_operands(rdQ);
       keep_fragments(adS);
       bar.release((it - 1) % kBwdStages);
     }
-    wgmma_wait<1>();
-    fence_operands(rS);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int nb = i / 4, e = i % 4;
-      const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
-      rS[i] = probability(rS[i], on, base[e / 2], p.scale);
-    }
-    wgmma_wait<0>();
-    fence_operands(rdP);
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int nb = i / 4, e = i % 4;
-      const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
-      rdP[i] = score_gradient(rS[i], rdP[i], on, delta[e / 2]);
-    }
-    fragments_of<T>(rdP, adS);
-
-    // dQ += dS K, left running.
-    wgmma_fence();
-    product_rs<T, kBwdQKeys, kD>(rdQ, adS, smem.k_stage(s));
-    wgmma_commit();
+    store_gradient<T, kD>(bp.dq, bp.dq_stride, bp.grad_out, b, h, q0 + consumer * 64, p.len_q, rdQ,
+                          p.scale);
+    (void)L::kSmemBytes;
   }
-  if (it > 0) {
-    wgmma_wait<0>();
-    fence_operands(rdQ);
-    keep_fragments(adS);
-    bar.release((it - 1) % kBwdStages);
-  }
-  store_gradient<T, kD>(bp.dq, bp.dq_stride, bp.grad_out, b, h, q0 + consumer * 64, p.len_q, rdQ,
-                        p.scale);
-  (void)L::kSmemBytes;
-}
+};
 
-template <class T, int kD>
+// --- the kernels -------------------------------------------------------------------------------
+
+// One block of either pass: the barriers, the maps prefetched, then the producer warp and the
+// consumer warpgroups with their register budgets.
+template <class Pass, class T, int kD>
 __global__ void __launch_bounds__(kThreads, 1)
-    hopper_dq_kernel(const __grid_constant__ hopper_bwd_params hp) {
+    hopper_bwd_kernel(const __grid_constant__ hopper_bwd_params hp) {
 #if FLASHREF_SM90A
   extern __shared__ __align__(1024) unsigned char s_raw[];
-  __shared__ dq_barriers bar;
-  const dq_layout<kD> smem(s_raw);
+  __shared__ typename Pass::barriers bar;
+  const typename Pass::template layout<kD> smem(s_raw);
   const int warpgroup = static_cast<int>(threadIdx.x) / 128;
   if (threadIdx.x == 0) {
     bar.init();
@@ -510,11 +496,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   if (warpgroup == 0) {
-    setmaxnreg_dec<dq_registers::kProducerRegs>();
-    if (threadIdx.x < 32) dq_produce<T, kD>(hp, smem, bar);
+    setmaxnreg_dec<Pass::registers::kProducerRegs>();
+    if (threadIdx.x < 32) Pass::template produce<T, kD>(hp, smem, bar);
   } else {
-    setmaxnreg_inc<dq_registers::kConsumerRegs>();
-    dq_consume<T, kD>(hp, warpgroup - 1, smem, bar);
+    setmaxnreg_inc<Pass::registers::kConsumerRegs>();
+    Pass::template consume<T, kD>(hp, warpgroup - 1, smem, bar);
   }
 #else
   (void)hp;
@@ -546,11 +532,11 @@ cudaError_t launch(const backward_params& bp, elem input, cudaStream_t stream) {
   hp.bp = bp;
   constexpr int kDkdvSmem = dkdv_layout<kD>::kSmemBytes;
   constexpr int kDqSmem = dq_layout<kD>::kSmemBytes;
-  cudaError_t e = cudaFuncSetAttribute(hopper_dkdv_kernel<T, kD>,
+  cudaError_t e = cudaFuncSetAttribute(hopper_bwd_kernel<dkdv_pass, T, kD>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kDkdvSmem);
   if (e == cudaSuccess) {
-    e = cudaFuncSetAttribute(hopper_dq_kernel<T, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             kDqSmem);
+    e = cudaFuncSetAttribute(hopper_bwd_kernel<dq_pass, T, kD>,
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, kDqSmem);
   }
   if (e != cudaSuccess) return e;
   if (p.len_k > 0 && p.heads_k > 0 && p.batch > 0) {
@@ -558,14 +544,14 @@ cudaError_t launch(const backward_params& bp, elem input, cudaStream_t stream) {
     if (e != cudaSuccess) return e;
     const dim3 grid(static_cast<unsigned>((p.len_k + kBwdKeys - 1) / kBwdKeys),
                     static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
-    hopper_dkdv_kernel<T, kD><<<grid, kThreads, kDkdvSmem, stream>>>(hp);
+    hopper_bwd_kernel<dkdv_pass, T, kD><<<grid, kThreads, kDkdvSmem, stream>>>(hp);
   }
   if (p.len_q > 0 && p.heads_q > 0 && p.batch > 0) {
     e = make_maps(hp.maps, bp, input, kD, kBwdQRows, kBwdQKeys);
     if (e != cudaSuccess) return e;
     const dim3 grid(static_cast<unsigned>((p.len_q + kBwdQRows - 1) / kBwdQRows),
                     static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));
-    hopper_dq_kernel<T, kD><<<grid, kThreads, kDqSmem, stream>>>(hp);
+    hopper_bwd_kernel<dq_pass, T, kD><<<grid, kThreads, kDqSmem, stream>>>(hp);
   }
   return cudaGetLastError();
 }

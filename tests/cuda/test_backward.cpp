@@ -48,9 +48,9 @@ bool tensor_core_dims(const problem_shape& s) {
 
 // The kernels to run a dtype on, each forced: simt, and tensor_core too for half precision at
 // its head dims (automatic takes one of the two: tests/cuda checks the choice below).
-// Can the Hopper backward run here (a build with it, compute capability 9.0)? Asked of the
-// library: forcing it on a problem it takes throws exactly when it cannot run.
-bool hopper_backward_device() {
+// A bf16 backward problem at D = 64 that every kernel takes, for the kernel-choice checks; its
+// memory is never read.
+fc::device_backward_problem choice_probe() {
   fc::device_backward_problem dp;
   alignas(16) static float dummy[4] = {};  // never read: only shapes and dtypes are checked
   const std::array<std::int64_t, 4> shape{1, 1, 16, 64}, stride{1024, 1024, 64, 1};
@@ -59,6 +59,13 @@ bool hopper_backward_device() {
   dp.forward.lse = {dummy, input_dtype::float32, {1, 1, 16}, {16, 16, 1}};
   dp.d_o = dp.forward.q;
   dp.d_q = dp.d_k = dp.d_v = {dummy, input_dtype::float32, shape, stride};
+  return dp;
+}
+
+// Can the Hopper backward run here (a build with it, compute capability 9.0)? Asked of the
+// library: forcing it on a problem it takes throws exactly when it cannot run.
+bool hopper_backward_device() {
+  fc::device_backward_problem dp = choice_probe();
   dp.forward.kernel = fc::kernel_choice::hopper;
   try {
     return std::string(fc::backward_kernel_for(dp)) == "hopper";
@@ -399,14 +406,7 @@ TEST_CASE("cuda backward: kernel choice and errors name the field", "[cuda][back
   REQUIRE_THROWS_WITH(fc::attention_backward(d.problem(), g),
                       "dk: expected shape [1, 1, 16, 32], got [1, 1, 16, 5]");
 
-  fc::device_backward_problem dp;
-  alignas(16) static float dummy[4] = {};  // never read: only shapes and dtypes are checked
-  const std::array<std::int64_t, 4> shape{1, 1, 16, 64}, stride{1024, 1024, 64, 1};
-  dp.forward.q = dp.forward.k = dp.forward.v = {dummy, input_dtype::bfloat16, shape, stride};
-  dp.forward.o = {dummy, input_dtype::float32, shape, stride};
-  dp.forward.lse = {dummy, input_dtype::float32, {1, 1, 16}, {16, 16, 1}};
-  dp.d_o = dp.forward.q;
-  dp.d_q = dp.d_k = dp.d_v = {dummy, input_dtype::float32, shape, stride};
+  fc::device_backward_problem dp = choice_probe();
   REQUIRE(std::string(fc::backward_kernel_for(dp)) ==
           (hopper_backward_device() ? "hopper" : "tensor_core"));  // automatic
   dp.forward.kernel = fc::kernel_choice::simt;

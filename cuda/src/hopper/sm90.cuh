@@ -8,6 +8,14 @@
 
 #include <cstdint>
 
+// 1 in the sm_90a pass of the compiler, where these instructions exist; the kernels compile
+// empty in the other passes (the dispatcher launches them on compute capability 9.0 alone).
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define FLASHREF_SM90A 1
+#else
+#define FLASHREF_SM90A 0
+#endif
+
 namespace flashref::cuda::detail::sm90 {
 
 __device__ __forceinline__ std::uint32_t smem_addr(const void* p) {
