@@ -147,7 +147,8 @@ void attention(const attention_problem& p, kernel_choice kernel) {
   // The packed copies live in cudaMalloc'ed (256-byte aligned) buffers, so the shape alone
   // decides whether a tensor-core kernel applies. Only V's NaN or inf reaches other rows
   // through the forward's products (P·V), so only V's finiteness counts here.
-  const host_choice hc = host_input(p.dtype, kernel, tensor_core_applies(dp), v_finite);
+  const bool half_kernel = tensor_core_applies(dp) || (hopper_applies(dp) && hopper_runs_here());
+  const host_choice hc = host_input(p.dtype, kernel, half_kernel, v_finite);
   set_input_dtype(hc.input);
   dp.kernel = hc.kernel;
   const input_dtype in = hc.input;

@@ -79,11 +79,11 @@ cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_count
                                  p.q_stride, sm90::kTileQ);
   if (e == cudaSuccess) {
     e = sm90::make_map(&hp.maps.k, p.k, input, p.batch, p.heads_k, p.len_k, kD, p.k_stride,
-                       sm90::kTileK);
+                       sm90::tiles<kD>::kTileK);
   }
   if (e == cudaSuccess) {
     e = sm90::make_map(&hp.maps.v, p.v, input, p.batch, p.heads_k, p.len_k, kD, p.v_stride,
-                       sm90::kTileK);
+                       sm90::tiles<kD>::kTileK);
   }
   if (e != cudaSuccess) return e;
   constexpr int kSmem = sm90::tiles<kD>::kSmemBytes;
@@ -112,6 +112,10 @@ cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* wor
   if (p.head_dim == 64) {
     return half ? launch<__half, 64>(p, input, work_counter, sm_count, stream)
                 : launch<__nv_bfloat16, 64>(p, input, work_counter, sm_count, stream);
+  }
+  if (p.head_dim == 256) {
+    return half ? launch<__half, 256>(p, input, work_counter, sm_count, stream)
+                : launch<__nv_bfloat16, 256>(p, input, work_counter, sm_count, stream);
   }
   return half ? launch<__half, 128>(p, input, work_counter, sm_count, stream)
               : launch<__nv_bfloat16, 128>(p, input, work_counter, sm_count, stream);

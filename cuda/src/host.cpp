@@ -87,6 +87,13 @@ bool tensor_core_applies(const device_problem& p) {
          tensor_core_layout(p.q) && tensor_core_layout(p.k) && tensor_core_layout(p.v);
 }
 
+bool hopper_applies(const device_problem& p) {
+  const std::int64_t D = p.q.shape[3], Dv = p.v.shape[3];
+  return tensor_core_applies(p) ||
+         (p.q.dtype != input_dtype::float32 && D == 256 && Dv == 256 && tensor_core_layout(p.q) &&
+          tensor_core_layout(p.k) && tensor_core_layout(p.v));
+}
+
 // The Hopper kernel's machine code is sm_90a: it runs on compute capability 9.0 alone, and
 // only when the library was built with it (CMake option FLASHREF_CUDA_HOPPER).
 bool hopper_runs_here() {
@@ -120,13 +127,13 @@ kernel_kind choose(const device_problem& p) {
   const bool tc = tensor_core_applies(p);
   switch (p.kernel) {
     case kernel_choice::automatic:
-      if (tc) return hopper_runs_here() ? kernel_kind::hopper : kernel_kind::tensor_core;
-      return kernel_kind::simt;
+      if (hopper_applies(p) && hopper_runs_here()) return kernel_kind::hopper;
+      return tc ? kernel_kind::tensor_core : kernel_kind::simt;
     case kernel_choice::hopper:
-      if (!tc || !hopper_runs_here()) {
+      if (!hopper_applies(p) || !hopper_runs_here()) {
         throw problem_error(
             "kernel: expected a problem the hopper kernel takes (a build with it, compute "
-            "capability 9.0, bf16 or fp16, D = Dv in {64, 128}, 16-byte rows), got another");
+            "capability 9.0, bf16 or fp16, D = Dv in {64, 128, 256}, 16-byte rows), got another");
       }
       return kernel_kind::hopper;
     case kernel_choice::tensor_core:

@@ -71,6 +71,9 @@ void check_dtypes(const device_problem& p);
 // head dim, every other stride a multiple of 8 elements, the base 16-byte aligned.
 bool tensor_core_layout(const device_tensor<4>& t);
 bool tensor_core_applies(const device_problem& p);
+// The Hopper forward's shapes: tensor_core_applies, or D = Dv = 256 with the same dtypes and
+// layout.
+bool hopper_applies(const device_problem& p);
 
 // The Hopper kernel's machine code is sm_90a: it runs on compute capability 9.0 alone, and
 // only when the library was built with it (CMake option FLASHREF_CUDA_HOPPER).

@@ -85,10 +85,16 @@ std::vector<fc::kernel_choice> kernels_for(input_dtype dtype) {
   return k;
 }
 
-// Can `kernel`, forced, take the case? The half-precision kernels need D = Dv in {64, 128}.
+// Can the half-precision `kernel` take head dims (d, dv)? D = Dv in {64, 128}, and 256 on the
+// Hopper kernel.
+bool half_takes(fc::kernel_choice kernel, std::int64_t d, std::int64_t dv) {
+  return d == dv && (d == 64 || d == 128 || (d == 256 && kernel == fc::kernel_choice::hopper));
+}
+
+// Can `kernel`, forced, take the case?
 bool takes(fc::kernel_choice kernel, const catalogue_case& c) {
   if (kernel == fc::kernel_choice::automatic || kernel == fc::kernel_choice::simt) return true;
-  return c.shape.D == c.shape.Dv && (c.shape.D == 64 || c.shape.D == 128);
+  return half_takes(kernel, c.shape.D, c.shape.Dv);
 }
 
 }  // namespace
@@ -219,12 +225,13 @@ std::vector<float> run_device_entry(const problem_shape& s, const flashref::prob
 
 TEST_CASE("cuda device entry: bf16 in and out, [B, L, H, D] storage, a stream", "[cuda][race]") {
   problem_shape s;
-  s.B = 2, s.Hq = 8, s.Hk = 2, s.Lq = 300, s.Lk = 257, s.D = s.Dv = GENERATE(64, 128);
+  s.B = 2, s.Hq = 8, s.Hk = 2, s.Lq = 300, s.Lk = 257, s.D = s.Dv = GENERATE(64, 128, 256);
   s.causal = causal_mode::bottom_right;
   s.block_q = 40, s.block_k = 72, s.block_density = 0.5, s.use_kv_len = true;
   s.blhd = true;  // the host copies are stored [B, L, H, D], as the device ones
   const std::vector<fc::kernel_choice> kernels = half_kernels();
   const fc::kernel_choice kernel = GENERATE_COPY(from_range(kernels));
+  if (!half_takes(kernel, s.D, s.Dv)) return;  // D = 256: the Hopper kernel alone
   CAPTURE(s.describe(), name_of(kernel));
   flashref::problem_data op = flashref::test::random_problem(s, 21);
   flashref::test::round_inputs(op, input_dtype::bfloat16);
@@ -350,6 +357,20 @@ TEST_CASE("cuda device entry: kernel choice and errors name the field", "[cuda]"
   CHECK(std::string(fc::kernel_for(dp)) == "simt");
   dp.q.stride = stride;
 
+  // D = 256: the Hopper kernel where it runs, else SIMT; tensor_core, forced, declines it.
+  {
+    fc::device_problem d256 = dp;
+    const std::array<std::int64_t, 4> s256{1, 2, 16, 256}, t256{8192, 4096, 256, 1};
+    d256.q = {dummy, bf16, s256, t256};
+    d256.k = {dummy, bf16, s256, t256};
+    d256.v = {dummy, bf16, s256, t256};
+    d256.o = {dummy, input_dtype::float32, s256, t256};
+    CHECK(std::string(fc::kernel_for(d256)) == (hopper_device() ? "hopper" : "simt"));
+    d256.kernel = fc::kernel_choice::tensor_core;
+    REQUIRE_THROWS_WITH(fc::kernel_for(d256),
+                        Catch::StartsWith("kernel: expected a problem the tensor_core kernel"));
+  }
+
   dp.o.dtype = input_dtype::float16;
   REQUIRE_THROWS_WITH(fc::kernel_for(dp),
                       Catch::Contains("o: expected dtype float32 or the input dtype bfloat16, got "
@@ -397,9 +418,8 @@ TEST_CASE("cuda passes every golden fixture, float32 and half-precision paths",
     if (fx.in.opt.dtype != input_dtype::float32) {
       runs.emplace_back(fx.in.opt.dtype, fc::kernel_choice::automatic);
       const std::size_t d = fx.in.q.shape()[3], dv = fx.in.v.shape()[3];
-      if (d == dv && (d == 64 || d == 128)) {
-        for (const fc::kernel_choice k : half_kernels())
-          runs.emplace_back(fx.in.opt.dtype, k);
+      for (const fc::kernel_choice k : half_kernels()) {
+        if (half_takes(k, std::int64_t(d), std::int64_t(dv))) runs.emplace_back(fx.in.opt.dtype, k);
       }
     }
     for (const auto& [dtype, kernel] : runs) {

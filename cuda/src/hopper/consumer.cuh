@@ -42,13 +42,34 @@ __device__ __forceinline__ void to_a_fragments(const float (&s)[kN],
   }
 }
 
+// S (64, kN) = Q K^T over the head dim: one m64nN wgmma per 16 columns of it.
+template <class T, int kD, int kS>
+__device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD>& smem,
+                                           int consumer, int stage) {
+#pragma unroll
+  for (int ks = 0; ks < kD / 16; ++ks) {
+    if constexpr (kS == 32) {
+      wgmma_ss_n64<T>(s, smem.q_desc(consumer, ks), smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
+    } else {
+      wgmma_ss_n128<T>(s, smem.q_desc(consumer, ks), smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
+    }
+  }
+}
+
+// O (64, kD) += P V over 16 keys; at D = 256 as two products of 128 columns (the second half's
+// descriptor two 64-column boxes further on).
 template <class T, int kD>
 __device__ __forceinline__ void pv_product(float (&acc)[kD / 2], const std::uint32_t (&a)[4],
                                            std::uint64_t desc_v) {
   if constexpr (kD == 64) {
     wgmma_rs_n64<T>(acc, a, desc_v);
-  } else {
+  } else if constexpr (kD == 128) {
     wgmma_rs_n128<T>(acc, a, desc_v);
+  } else {
+    static_assert(kD == 256, "head dims 64, 128, 256");
+    constexpr std::uint64_t kHalf = (2 * tiles<kD>::kKVBoxBytes) >> 4;  // descriptor units
+    wgmma_rs_n128<T>(*reinterpret_cast<float(*)[64]>(&acc[0]), a, desc_v);
+    wgmma_rs_n128<T>(*reinterpret_cast<float(*)[64]>(&acc[64]), a, desc_v + kHalf);
   }
 }
 
@@ -98,8 +119,8 @@ template <class T, int kD>
 __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, int consumer,
                                    const shared_tiles<kD>& smem,
                                    consumer_ring<tiles<kD>::kStages>& ring, stage_info info) {
-  constexpr int kS = kTileK / 2;  // accumulator floats of S per thread
-  constexpr int kO = kD / 2;      // accumulator floats of O per thread
+  constexpr int kS = tiles<kD>::kTileK / 2;  // accumulator floats of S per thread
+  constexpr int kO = kD / 2;                 // accumulator floats of O per thread
   const fragment_coords at(consumer);
   const tile_mask mask{p.mask, w, p.scale};
   fragment_softmax softmax;
@@ -109,7 +130,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
   // O += P_prev V_prev: issued, committed, not waited for.
   const auto issue_pv = [&](int s) {
 #pragma unroll
-    for (int kk = 0; kk < kTileK / 16; ++kk)
+    for (int kk = 0; kk < tiles<kD>::kTileK / 16; ++kk)
       pv_product<T, kD>(rO, rP[kk], smem.v_desc(s, kk));
   };
   // Tile j's scores to unnormalised probabilities: the partial-tile mask, then the softmax step.
@@ -122,9 +143,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     const int s = ring.stage(ring.it);
     float rS[kS];  // (64, kTileK) per warpgroup
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks)
-      wgmma_ss_n128<T>(rS, smem.q_desc(consumer, ks), smem.k_desc(s, ks), ks > 0 ? 1 : 0);
+    qk_product<T, kD>(rS, smem, consumer, s);
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rS);
@@ -143,9 +162,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     // S_j = Q K_j^T, then O += P_{j-1} V_{j-1} behind it; wait for S_j alone.
     float rS[kS];
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks)
-      wgmma_ss_n128<T>(rS, smem.q_desc(consumer, ks), smem.k_desc(s, ks), ks > 0 ? 1 : 0);
+    qk_product<T, kD>(rS, smem, consumer, s);
     wgmma_commit();
     issue_pv(prev);
     wgmma_commit();
@@ -183,8 +200,8 @@ template <class T, int kD>
 __device__ void consume_serial(const kernel_params& p, const tile_work& w, int consumer,
                                const shared_tiles<kD>& smem,
                                consumer_ring<tiles<kD>::kStages>& ring, stage_info info) {
-  constexpr int kS = kTileK / 2;  // accumulator floats of S per thread
-  constexpr int kO = kD / 2;      // accumulator floats of O per thread
+  constexpr int kS = tiles<kD>::kTileK / 2;  // accumulator floats of S per thread
+  constexpr int kO = kD / 2;                 // accumulator floats of O per thread
   const fragment_coords at(consumer);
   const tile_mask mask{p.mask, w, p.scale};
   fragment_softmax softmax;
@@ -196,9 +213,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
     // S = Q K^T
     float rS[kS];  // (64, kTileK) per warpgroup
     wgmma_fence();
-#pragma unroll
-    for (int ks = 0; ks < kD / 16; ++ks)
-      wgmma_ss_n128<T>(rS, smem.q_desc(consumer, ks), smem.k_desc(s, ks), ks > 0 ? 1 : 0);
+    qk_product<T, kD>(rS, smem, consumer, s);
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rS);
@@ -214,7 +229,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
     mbar_wait(&ring.bar.v_full[s], ring.parity(ring.it));
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kTileK / 16; ++kk)
+    for (int kk = 0; kk < tiles<kD>::kTileK / 16; ++kk)
       pv_product<T, kD>(rO, rP[kk], smem.v_desc(s, kk));
     wgmma_commit();
     wgmma_wait<0>();

@@ -30,7 +30,8 @@ struct tile_mask {
   const tile_work& w;
   float scale;
 
-  // s: (64 rows, kTileK keys) of scores of key tile `tile`, this thread's 2 x 64 of them.
+  // s: (64 rows, 2 kN keys) of scores of key tile `tile` (tiles of 2 kN keys), this thread's
+  // 2 x kN / 2 of them.
   template <int kN>
   __device__ void apply(float (&s)[kN], const fragment_coords& at, std::int64_t tile,
                         bool full) const {
@@ -48,7 +49,7 @@ struct tile_mask {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       visible[r] =
-          key_bits<kBlocks>(mask, w.b, w.h, w.q0 + at.row0 + 8 * r, tile * kTileK + at.col0);
+          key_bits<kBlocks>(mask, w.b, w.h, w.q0 + at.row0 + 8 * r, tile * (2 * kN) + at.col0);
     }
 #pragma unroll
     for (int i = 0; i < kN; ++i) {

@@ -19,8 +19,8 @@ struct tensor_maps {
   CUtensorMap q, k, v;
 };
 
-// V rows [k0, k0 + kTileK) with rows at or past key_end zero-filled, by the 32 lanes of the
-// warp with ordinary loads and stores, in the layout TMA would have written. Used for the tile
+// V rows [k0, k0 + tiles<kD>::kTileK) with rows at or past key_end zero-filled, by the 32 lanes of
+// the warp with ordinary loads and stores, in the layout TMA would have written. Used for the tile
 // that straddles kv_len: the keys past it may be uninitialised (a KV cache's padding), and P V
 // must never multiply a zero probability by a NaN there.
 template <class T, int kD>
@@ -28,7 +28,7 @@ __device__ void load_v_rows_zero_tail(unsigned char* s_v, const kernel_params& p
                                       const tile_work& w, std::int64_t k0, std::int64_t key_end) {
   constexpr int kChunks = kD / 8;  // 16-byte chunks per row
   const T* gV = static_cast<const T*>(p.v) + w.b * p.v_stride[0] + w.hk * p.v_stride[1];
-  for (int idx = static_cast<int>(threadIdx.x % 32); idx < kTileK * kChunks; idx += 32) {
+  for (int idx = static_cast<int>(threadIdx.x % 32); idx < tiles<kD>::kTileK * kChunks; idx += 32) {
     const int row = idx / kChunks;
     const int chunk = idx % kChunks;
     uint4 data = make_uint4(0, 0, 0, 0);
@@ -87,7 +87,7 @@ __device__ __noinline__ producer_counts produce_item(const Params& hp, unsigned 
   const shared_tiles<kD> smem(raw);  // rebuilt here: fewer registers live across the call
   const bool leader = threadIdx.x % 32 == 0;
   const tile_work w = work_tile(p, work);
-  tile_walker<kTileK> walker(p.mask, w.b, w.h, w.q0, w.q1);
+  tile_walker<t::kTileK> walker(p.mask, w.b, w.h, w.q0, w.q1);
   std::int64_t tile = 0;
   bool full = false;
   bool have = walker.next(tile, full);
@@ -103,8 +103,8 @@ __device__ __noinline__ producer_counts produce_item(const Params& hp, unsigned 
   }
   for (; have; have = walker.next(tile, full)) {
     const int s = next_stage(bar, n.it);
-    const std::int64_t k0 = tile * kTileK;
-    const bool v_tail = k0 + kTileK > walker.key_end && walker.key_end < p.len_k;
+    const std::int64_t k0 = tile * t::kTileK;
+    const bool v_tail = k0 + t::kTileK > walker.key_end && walker.key_end < p.len_k;
     if (leader) {
       bar.info[s] = {int(tile), full ? 1 : 0, work, 0};
       mbar_arrive_expect_tx(&bar.k_full[s], t::kKVBytes);

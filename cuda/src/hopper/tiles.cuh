@@ -2,8 +2,9 @@
 // Tile sizes, the shared-memory layout and the barriers of the Hopper kernel, and the wgmma
 // descriptors that address its tiles.
 //
-// One block: 128 query rows (two consumer warpgroups of 64 rows) against key tiles of 128 keys.
-// Q (kTileQ, D) is loaded once; K and V (kTileK, D) stream through kStages stages. Every tile
+// One block: 128 query rows (two consumer warpgroups of 64 rows) against key tiles of 128 keys
+// (64 at D = 256, where O alone takes 128 registers per thread). Q (kTileQ, D) is loaded once;
+// K and V (kTileK, D) stream through kStages stages. Every tile
 // is stored as D / 64 boxes of (rows, 64) in the 128-byte swizzle layout (sm90.cuh), one TMA
 // box each.
 
@@ -15,7 +16,6 @@
 namespace flashref::cuda::detail::sm90 {
 
 inline constexpr int kTileQ = 128;           // query rows per block
-inline constexpr int kTileK = 128;           // keys per tile
 inline constexpr int kRowsPerConsumer = 64;  // query rows per consumer warpgroup
 inline constexpr int kConsumers = 2;         // consumer warpgroups
 inline constexpr int kThreads = 128 * (1 + kConsumers);
@@ -39,8 +39,11 @@ struct tiles {
   // The consumers overlap one tile's P V with the next tile's softmax at D = 128 (consumer.cuh);
   // holding two stages at once (tile j's K, tile j - 1's V), they need a third for the producer
   // to load ahead: 3 stages at D = 128 (225 KiB with Q). D = 64 runs in sequence, 3 stages.
+  // D = 256 takes 64 keys per tile (S: 32 registers beside O's 128) and 2 stages (192 KiB with
+  // Q), in sequence.
+  static constexpr int kTileK = kD == 256 ? 64 : 128;  // keys per tile
   static constexpr bool kOverlap = kD == 128;
-  static constexpr int kStages = 3;
+  static constexpr int kStages = kD == 256 ? 2 : 3;
   static constexpr int kQBoxBytes = kTileQ * 128;   // (kTileQ, 64) 16-bit elements
   static constexpr int kKVBoxBytes = kTileK * 128;  // (kTileK, 64)
   static constexpr int kQBytes = kBoxes * kQBoxBytes;
@@ -105,7 +108,7 @@ struct shared_tiles {
         smem_addr(q) + (ks / 4) * t::kQBoxBytes + wg * kRowsPerConsumer * 128 + (ks % 4) * 32, 16,
         kAtomBytes);
   }
-  // All kTileK keys of stage s, k-step ks over the head dim.
+  // All t::kTileK keys of stage s, k-step ks over the head dim.
   __device__ std::uint64_t k_desc(int s, int ks) const {
     return sw128_desc(smem_addr(k_stage(s)) + (ks / 4) * t::kKVBoxBytes + (ks % 4) * 32, 16,
                       kAtomBytes);

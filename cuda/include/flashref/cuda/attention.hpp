@@ -32,7 +32,7 @@ bool device_available(std::string* reason);
 // clang-format off
 // | kernel      | device           | input       | D = Dv       | layout of q, k, v                 |
 // | ----------- | ---------------- | ----------- | ------------ | --------------------------------- |
-// | hopper      | compute cap 9.0  | bf16, fp16  | 64, 128      | unit stride along D, 16-byte rows |
+// | hopper      | compute cap 9.0  | bf16, fp16  | 64, 128, 256 | unit stride along D, 16-byte rows |
 // | tensor_core | 8.0 or newer     | bf16, fp16  | 64, 128      | unit stride along D, 16-byte rows |
 // | simt        | 8.0 or newer     | any         | D, Dv <= 256 | any strides                       |
 // clang-format on
