@@ -321,8 +321,9 @@ def attention_backward(
     Notes
     -----
     On CUDA tensors, o and do may be float32 or q's dtype, lse is float32. bfloat16 and
-    float16 inputs with D = Dv in {64, 128}, unit stride along D and 16-byte rows run the
-    tensor-core backward when do has q's dtype, others the float32-arithmetic SIMT kernel.
+    float16 inputs with D = Dv in {64, 128}, unit stride along D and 16-byte rows run a
+    tensor-core backward when do has q's dtype (the wgmma one on compute capability 9.0),
+    others the float32-arithmetic SIMT kernel.
     The device entry does not scan its inputs for NaN or inf (the host entry does); see
     docs/backends.md.
 
