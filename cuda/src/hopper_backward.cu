@@ -47,33 +47,12 @@ struct hopper_bwd_params {
   backward_params bp;
 };
 
-// The A fragments of a (64, 64) accumulator (this thread's 32 floats) for a k = 64 product.
-template <class T>
-__device__ __forceinline__ void fragments_of(const float (&x)[32], std::uint32_t (&a)[4][4]) {
-#pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
-    a[kk][0] = pack2<T>(x[8 * kk + 0], x[8 * kk + 1]);
-    a[kk][1] = pack2<T>(x[8 * kk + 2], x[8 * kk + 3]);
-    a[kk][2] = pack2<T>(x[8 * kk + 4], x[8 * kk + 5]);
-    a[kk][3] = pack2<T>(x[8 * kk + 6], x[8 * kk + 7]);
-  }
-}
-
-template <int kN>
-__device__ __forceinline__ void keep_fragments(std::uint32_t (&a)[kN][4]) {
-#pragma unroll
-  for (int i = 0; i < kN; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      asm volatile("" : "+r"(a[i][e])::"memory");
-}
-
-// acc (64, kD) += A (64 x 64, four k-steps of fragments) B (64 rows of an MN-major tile).
-template <class T, int kRows, int kD>
-__device__ __forceinline__ void product_rs(float (&acc)[kD / 2], const std::uint32_t (&a)[4][4],
+// acc (64, kD) += A (64 x 16 kK, kK k-steps of fragments) B (the 16 kK rows of an MN-major tile).
+template <class T, int kRows, int kD, int kK>
+__device__ __forceinline__ void product_rs(float (&acc)[kD / 2], const std::uint32_t (&a)[kK][4],
                                            const unsigned char* b) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
+  for (int kk = 0; kk < kK; ++kk) {
     if constexpr (kD == 64) {
       wgmma_rs_n64<T>(acc, a[kk], box_tile<kRows, kD>::mn_major(b, kk));
     } else {
@@ -82,14 +61,21 @@ __device__ __forceinline__ void product_rs(float (&acc)[kD / 2], const std::uint
   }
 }
 
-// acc (64, 64) = A (64 rows of a K-major tile from a_row0) B^T (the 64 rows of another).
+// acc (64, kBRows) = A (64 rows of a K-major tile from a_row0) B^T (the kBRows rows of another;
+// 64 or 128).
 template <class T, int kARows, int kBRows, int kD>
-__device__ __forceinline__ void product_ss(float (&acc)[32], const unsigned char* a, int a_row0,
-                                           const unsigned char* b) {
+__device__ __forceinline__ void product_ss(float (&acc)[kBRows / 2], const unsigned char* a,
+                                           int a_row0, const unsigned char* b) {
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks) {
-    wgmma_ss_n64<T>(acc, box_tile<kARows, kD>::k_major(a, a_row0, ks),
-                    box_tile<kBRows, kD>::k_major(b, 0, ks), ks > 0 ? 1 : 0);
+    const std::uint64_t da = box_tile<kARows, kD>::k_major(a, a_row0, ks);
+    const std::uint64_t db = box_tile<kBRows, kD>::k_major(b, 0, ks);
+    if constexpr (kBRows == 64) {
+      wgmma_ss_n64<T>(acc, da, db, ks > 0 ? 1 : 0);
+    } else {
+      static_assert(kBRows == 128, "64 or 128 columns");
+      wgmma_ss_n128<T>(acc, da, db, ks > 0 ? 1 : 0);
+    }
   }
 }
 
@@ -280,8 +266,8 @@ struct dkdv_pass {
         rdP[i] = score_gradient(rS[i], rdP[i], on, delta[8 * nb + col0 + e % 2]);
       }
       std::uint32_t aP[4][4], adS[4][4];
-      fragments_of<T>(rS, aP);
-      fragments_of<T>(rdP, adS);
+      to_a_fragments<T>(rS, aP);
+      to_a_fragments<T>(rdP, adS);
 
       // dV += Pᵀ dO, dK += dSᵀ Q.
       wgmma_fence();
@@ -291,8 +277,8 @@ struct dkdv_pass {
       wgmma_wait<0>();
       fence_operands(rdV);
       fence_operands(rdK);
-      keep_fragments(aP);
-      keep_fragments(adS);
+      fence_fragments(aP);
+      fence_fragments(adS);
 
       bar.release(s);
     }
@@ -307,7 +293,7 @@ struct dkdv_pass {
 
 // Resident Q (tile 0) and dO (tile 1) of 128 rows; stages of K (tile 0) and V (tile 1).
 template <int kD>
-using dq_layout = bwd_layout<kBwdQRows, kBwdQKeys, kD>;
+using dq_layout = bwd_layout<kBwdQRows, kBwdQKeysFor<kD>, kD>;
 
 // Query tile blockIdx.x counted from the end: under a causal mask the last tiles see the most
 // keys, so the heavy blocks start first.
@@ -326,6 +312,7 @@ struct dq_pass {
   template <class T, int kD>
   __device__ static void produce(const hopper_bwd_params& hp, const dq_layout<kD>& smem,
                                  dq_barriers& bar) {
+    constexpr int kKeys = kBwdQKeysFor<kD>;
     using L = dq_layout<kD>;
     const kernel_params& p = hp.bp.fwd;
     const bool leader = threadIdx.x % 32 == 0;
@@ -333,7 +320,7 @@ struct dq_pass {
     const std::int64_t q1 = q0 + kBwdQRows < p.len_q ? q0 + kBwdQRows : p.len_q;
     const int h = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
     const int hk = h / static_cast<int>(p.group);
-    tile_walker<kBwdQKeys> walker(p.mask, b, h, q0, q1);
+    tile_walker<kKeys> walker(p.mask, b, h, q0, q1);
     std::int64_t tile = 0;
     bool full = false;
     bool have = walker.next(tile, full);
@@ -357,13 +344,12 @@ struct dq_pass {
         }
         return;
       }
-      const int k0 = static_cast<int>(tile) * kBwdQKeys;
+      const int k0 = static_cast<int>(tile) * kKeys;
       // The tile that straddles kv_len: K's rows past it zero-filled by the lanes (dS = 0 there
       // meets them in dQ += dS K); V's may stay as they are (dP is only selected from).
-      const bool k_tail = k0 + kBwdQKeys > walker.key_end && walker.key_end < p.len_k;
+      const bool k_tail = k0 + kKeys > walker.key_end && walker.key_end < p.len_k;
       if (k_tail) {
-        load_rows_zero_tail<T, kBwdQKeys, kD>(smem.stage(0, s), gK, p.k_stride[2], k0,
-                                              walker.key_end);
+        load_rows_zero_tail<T, kKeys, kD>(smem.stage(0, s), gK, p.k_stride[2], k0, walker.key_end);
         fence_proxy_async();  // the stores above are read by wgmma
         __syncwarp();
       }
@@ -386,6 +372,7 @@ struct dq_pass {
   template <class T, int kD>
   __device__ static void consume(const hopper_bwd_params& hp, int consumer,
                                  const dq_layout<kD>& smem, dq_barriers& bar) {
+    constexpr int kKeys = kBwdQKeysFor<kD>;
     using L = dq_layout<kD>;
     const backward_params& bp = hp.bp;
     const kernel_params& p = bp.fwd;
@@ -402,8 +389,9 @@ struct dq_pass {
                       : 0.f;
       delta[r] = valid ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f;
     }
-    float rdQ[kD / 2] = {};   // (64 rows, kD): dQ / scale
-    std::uint32_t adS[4][4];  // dS of the tile whose dQ product is in flight
+    float rdQ[kD / 2] = {};        // (64 rows, kD): dQ / scale
+    constexpr int kS = kKeys / 2;  // accumulator floats of S and dP per thread
+    std::uint32_t adS[kS / 8][4];  // dS of the tile whose dQ product is in flight
 
     // Turn j issues S_j and dP_j behind dQ += dS_{j-1} K_{j-1}, releases stage j - 1 when that
     // product is done, and leaves dQ += dS_j K_j running into turn j + 1.
@@ -416,13 +404,11 @@ struct dq_pass {
       if (it == 0) mbar_wait(&bar.resident, 0);
 
       // S = Q Kᵀ and dP = dO Vᵀ, issued together.
-      float rS[32], rdP[32];
+      float rS[kS], rdP[kS];
       wgmma_fence();
-      product_ss<T, kBwdQRows, kBwdQKeys, kD>(rS, smem.resident[0], consumer * 64,
-                                              smem.stage(0, s));
+      product_ss<T, kBwdQRows, kKeys, kD>(rS, smem.resident[0], consumer * 64, smem.stage(0, s));
       wgmma_commit();
-      product_ss<T, kBwdQRows, kBwdQKeys, kD>(rdP, smem.resident[1], consumer * 64,
-                                              smem.stage(1, s));
+      product_ss<T, kBwdQRows, kKeys, kD>(rdP, smem.resident[1], consumer * 64, smem.stage(1, s));
       wgmma_commit();
 
       // Bit 2 nb + c of visible[r]: row q0 + at.row0 + 8 r sees key k0 + at.col0 + 8 nb + c.
@@ -430,20 +416,20 @@ struct dq_pass {
       if (info.full == 0) {
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          visible[r] = tile_mask::key_bits<8>(p.mask, b, h, q0 + at.row0 + 8 * r,
-                                              std::int64_t(info.tile) * kBwdQKeys + at.col0);
+          visible[r] = tile_mask::key_bits<kS / 4>(p.mask, b, h, q0 + at.row0 + 8 * r,
+                                                   std::int64_t(info.tile) * kKeys + at.col0);
         }
       }
       if (it > 0) {  // the previous tile's dQ product is done: its stage goes back
         wgmma_wait<2>();
         fence_operands(rdQ);
-        keep_fragments(adS);
+        fence_fragments(adS);
         bar.release((it - 1) % kBwdStages);
       }
       wgmma_wait<1>();
       fence_operands(rS);
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
+      for (int i = 0; i < kS; ++i) {
         const int nb = i / 4, e = i % 4;
         const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
         rS[i] = probability(rS[i], on, base[e / 2], p.scale);
@@ -451,22 +437,22 @@ struct dq_pass {
       wgmma_wait<0>();
       fence_operands(rdP);
 #pragma unroll
-      for (int i = 0; i < 32; ++i) {
+      for (int i = 0; i < kS; ++i) {
         const int nb = i / 4, e = i % 4;
         const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
         rdP[i] = score_gradient(rS[i], rdP[i], on, delta[e / 2]);
       }
-      fragments_of<T>(rdP, adS);
+      to_a_fragments<T>(rdP, adS);
 
       // dQ += dS K, left running.
       wgmma_fence();
-      product_rs<T, kBwdQKeys, kD>(rdQ, adS, smem.stage(0, s));
+      product_rs<T, kKeys, kD>(rdQ, adS, smem.stage(0, s));
       wgmma_commit();
     }
     if (it > 0) {
       wgmma_wait<0>();
       fence_operands(rdQ);
-      keep_fragments(adS);
+      fence_fragments(adS);
       bar.release((it - 1) % kBwdStages);
     }
     store_gradient<T, kD>(bp.dq, bp.dq_stride, bp.grad_out, b, h, q0 + consumer * 64, p.len_q, rdQ,
@@ -547,7 +533,7 @@ cudaError_t launch(const backward_params& bp, elem input, cudaStream_t stream) {
     hopper_bwd_kernel<dkdv_pass, T, kD><<<grid, kThreads, kDkdvSmem, stream>>>(hp);
   }
   if (p.len_q > 0 && p.heads_q > 0 && p.batch > 0) {
-    e = make_maps(hp.maps, bp, input, kD, kBwdQRows, kBwdQKeys);
+    e = make_maps(hp.maps, bp, input, kD, kBwdQRows, kBwdQKeysFor<kD>);
     if (e != cudaSuccess) return e;
     const dim3 grid(static_cast<unsigned>((p.len_q + kBwdQRows - 1) / kBwdQRows),
                     static_cast<unsigned>(p.heads_q), static_cast<unsigned>(p.batch));

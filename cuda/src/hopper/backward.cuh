@@ -10,7 +10,7 @@
 //         Pᵀ = exp(Sᵀ scale − LSE), dSᵀ = Pᵀ ∘ (dPᵀ − Delta)     probability, score_gradient
 //         dV += Pᵀ dO, dK += dSᵀ Q               wgmma m64n{D}, Pᵀ and dSᵀ from registers
 //   dQ kernel (query-major, the forward's shape): a block owns kBwdQRows rows, Q and dO
-//     resident; key tiles of kBwdQKeys keys stream through the ring (K, V by TMA):
+//     resident; key tiles of kBwdQKeysFor<D> keys stream through the ring (K, V by TMA):
 //         S = Q Kᵀ, dP = dO Vᵀ                   wgmma m64n64
 //         P = exp(S scale − LSE), dS = P ∘ (dP − Delta)          probability, score_gradient
 //         dQ += dS K                             wgmma m64n{D}, dS from registers
@@ -29,7 +29,9 @@ namespace flashref::cuda::detail::sm90 {
 inline constexpr int kBwdKeys = 128;   // dK, dV kernel: keys per block (two consumers of 64)
 inline constexpr int kBwdRows = 64;    // dK, dV kernel: query rows per stage
 inline constexpr int kBwdQRows = 128;  // dQ kernel: query rows per block (two consumers of 64)
-inline constexpr int kBwdQKeys = 64;   // dQ kernel: keys per stage
+// dQ kernel: keys per stage (dQ, S, dP and dS's fragments: D / 2 + 32 + 32 + 16 registers).
+template <int kD>
+inline constexpr int kBwdQKeysFor = 64;
 inline constexpr int kBwdStages = 3;
 // Registers per thread after setmaxnreg (the budget must balance, tiles.cuh). The dK, dV kernel's
 // consumers hold dK and dV (2 x D / 2 floats), Sᵀ and dPᵀ (2 x 32) and their A fragments at

@@ -28,21 +28,6 @@
 
 namespace flashref::cuda::detail::sm90 {
 
-// P (64, kTileK) as wgmma A fragments, one per 16 keys: the accumulator layout of S over keys
-// [16 kk, 16 kk + 16) is the A-operand layout of an m64k16 product.
-template <class T, int kN>
-__device__ __forceinline__ void to_a_fragments(const float (&s)[kN],
-                                               std::uint32_t (&a)[kN / 8][4]) {
-#pragma unroll
-  for (int kk = 0; kk < kN / 8; ++kk) {
-    a[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
-    a[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-    a[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-    a[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-  }
-}
-
-// S (64, kN) = Q K^T over the head dim: one m64nN wgmma per 16 columns of it.
 template <class T, int kD, int kS>
 __device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD>& smem,
                                            int consumer, int stage) {
@@ -71,17 +56,6 @@ __device__ __forceinline__ void pv_product(float (&acc)[kD / 2], const std::uint
     wgmma_rs_n128<T>(*reinterpret_cast<float(*)[64]>(&acc[0]), a, desc_v);
     wgmma_rs_n128<T>(*reinterpret_cast<float(*)[64]>(&acc[64]), a, desc_v + kHalf);
   }
-}
-
-// Keeps the A fragments of an in-flight wgmma alive in their registers: the compiler sees
-// them read here, so it cannot reuse those registers before the wgmma that reads them ends.
-template <int kN>
-__device__ __forceinline__ void fence_fragments(std::uint32_t (&a)[kN][4]) {
-#pragma unroll
-  for (int i = 0; i < kN; ++i)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      asm volatile("" : "+r"(a[i][e])::"memory");
 }
 
 // The stages and the Q tile a consumer warp is done with, and its place in the ring: the

@@ -19,6 +19,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "../common.cuh"  // pack2
+
 namespace flashref::cuda::detail::sm90 {
 
 // Orders this thread's register writes to accumulators before the wgmma that reads them.
@@ -149,5 +151,32 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const std::uint32_
 #undef FLASHREF_WGMMA_D32_OPS
 #undef FLASHREF_WGMMA_D64_REGS
 #undef FLASHREF_WGMMA_D32_REGS
+
+// An accumulator (64, kN / 2 columns: this thread's kN floats) as wgmma A fragments, one per 16
+// columns: the accumulator layout over columns [16 kk, 16 kk + 16) is the A-operand layout of
+// an m64k16 product (P of the forward, Pᵀ and dS of the backward).
+template <class T, int kN>
+__device__ __forceinline__ void to_a_fragments(const float (&s)[kN],
+                                               std::uint32_t (&a)[kN / 8][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kN / 8; ++kk) {
+    a[kk][0] = pack2<T>(s[8 * kk + 0], s[8 * kk + 1]);
+    a[kk][1] = pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+    a[kk][2] = pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+    a[kk][3] = pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+
+// S (64, kN) = Q K^T over the head dim: one m64nN wgmma per 16 columns of it.
+// Keeps the A fragments of an in-flight wgmma alive in their registers: the compiler sees
+// them read here, so it cannot reuse those registers before the wgmma that reads them ends.
+template <int kN>
+__device__ __forceinline__ void fence_fragments(std::uint32_t (&a)[kN][4]) {
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      asm volatile("" : "+r"(a[i][e])::"memory");
+}
 
 }  // namespace flashref::cuda::detail::sm90
