@@ -1,5 +1,5 @@
 #pragma once
-// The Hopper backward's tiles, barriers and its one elementwise step (SPEC §9), shared by its two
+// The Hopper backward's tiles, barriers and its elementwise steps (SPEC §9), shared by its two
 // kernels (hopper_backward.cu):
 //
 //   dK, dV kernel (key-major): a block owns kBwdKeys keys of one (batch, key/value head), K and
