@@ -43,6 +43,26 @@ struct vec {
   static void store(float* p, reg x) { _mm256_storeu_ps(p, x); }
   static reg set1(float x) { return _mm256_set1_ps(x); }
   static reg zero() { return _mm256_setzero_ps(); }
+  // dst[d * ld + i] = src[i * s_row + d] for a W x W block, through registers.
+  static void transpose(const float* src, std::int64_t s_row, float* dst, std::int64_t ld) {
+    reg r[8], t[8], u[8];
+    for (int i = 0; i < 8; ++i)
+      r[i] = _mm256_loadu_ps(src + i * s_row);
+    for (int i = 0; i < 8; i += 2) {
+      t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+      t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+      u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+      u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+      u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+      u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int k = 0; k < 4; ++k) {
+      _mm256_storeu_ps(dst + k * ld, _mm256_permute2f128_ps(u[k], u[4 + k], 0x20));
+      _mm256_storeu_ps(dst + (4 + k) * ld, _mm256_permute2f128_ps(u[k], u[4 + k], 0x31));
+    }
+  }
   static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static reg sub(reg a, reg b) { return _mm256_sub_ps(a, b); }
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }

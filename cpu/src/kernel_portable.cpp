@@ -48,6 +48,12 @@ struct vec {
     return map([&](int) { return x; });
   }
   static reg zero() { return set1(0.0f); }
+  // dst[d * ld + i] = src[i * s_row + d] for a W x W block.
+  static void transpose(const float* src, std::int64_t s_row, float* dst, std::int64_t ld) {
+    for (int d = 0; d < W; ++d)
+      for (int i = 0; i < W; ++i)
+        dst[d * ld + i] = src[i * s_row + d];
+  }
   static reg add(const reg& a, const reg& b) {
     return map([&](int l) { return a.v[l] + b.v[l]; });
   }
