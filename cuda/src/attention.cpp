@@ -167,7 +167,8 @@ void attention(const attention_problem& p, kernel_choice kernel) {
   device_buffer d_lse("lse", std::size_t(B * Hq * Lq) * sizeof(float));
   // The Hopper kernel's work counter beside the outputs: the host entry holds no pool memory
   // after it returns.
-  device_buffer d_counter("work_counter", sizeof(std::uint32_t));
+  std::optional<device_buffer> d_counter;
+  if (chosen == kernel_kind::hopper) d_counter.emplace("work_counter", sizeof(std::uint32_t));
   dp.o = {d_o.get(), input_dtype::float32, o_shape, dense_strides<4>(o_shape)};
   dp.lse = {d_lse.get(), input_dtype::float32, lse_shape, dense_strides<3>(lse_shape)};
   up.masks(p, dp);
@@ -177,7 +178,7 @@ void attention(const attention_problem& p, kernel_choice kernel) {
   attention_problem on_device = p;
   on_device.block_mask = dp.block_mask;
   enqueue(dp, chosen, make_mask_spec(on_device), p.softmax_scale(), stream, false,
-          static_cast<std::uint32_t*>(d_counter.get()));
+          d_counter ? static_cast<std::uint32_t*>(d_counter->get()) : nullptr);
   check(cudaStreamSynchronize(stream), "attention kernel");
 
   std::vector<float> o(std::size_t(B * Hq * Lq * p.head_dim_v()));
