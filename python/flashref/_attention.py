@@ -198,12 +198,6 @@ def attention(
             backend_s, blhd, return_lse, 0,
         )
     if _is_torch(q):
-        if block_mask is None and kv_len is None and not q.is_cuda:
-            # The common case on CPU tensors, straight to the core (as _attention_torch would).
-            return _core.attention(
-                q, k, v, scale, causal_s, left, right, None, block_q, block_k, None, backend_s,
-                blhd, return_lse, 0,
-            )
         return _attention_torch(
             q, k, v, scale, causal_s, left, right, block_mask, block_q, block_k, kv_len,
             backend_s, blhd, return_lse,
