@@ -279,4 +279,10 @@ __device__ __forceinline__ std::uint32_t query_bits(const mask_spec& m, std::int
   return bits;
 }
 
+// Accumulator element e (0..3) of n8 block nb in the visibility words of key_bits / query_bits:
+// word e / 2 (the thread's first or second row, or key), bit 2 nb + e % 2.
+__device__ __forceinline__ bool fragment_bit(const std::uint32_t (&visible)[2], int nb, int e) {
+  return (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+}
+
 }  // namespace flashref::cuda::detail

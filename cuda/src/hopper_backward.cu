@@ -126,6 +126,27 @@ struct bwd_layout {
   __device__ unsigned char* stage(int which, int s) const {
     return staged[which] + s * staged_tile::kBytes;
   }
+  // TMA loads of the two resident tiles, or of stage s's two tiles (map0 null: tile 0 is not
+  // loaded), rows [row, row + the tile's rows) of head h, batch b, box by box.
+  __device__ void load_resident(const CUtensorMap* map0, const CUtensorMap* map1, int row, int h,
+                                int b, std::uint64_t* bar) const {
+    load_pair<resident_tile::kBoxBytes>(resident[0], resident[1], map0, map1, row, h, b, bar);
+  }
+  __device__ void load_stage(int s, const CUtensorMap* map0, const CUtensorMap* map1, int row,
+                             int h, int b, std::uint64_t* bar) const {
+    load_pair<staged_tile::kBoxBytes>(stage(0, s), stage(1, s), map0, map1, row, h, b, bar);
+  }
+
+ private:
+  template <int kBoxBytes>
+  __device__ static void load_pair(unsigned char* dst0, unsigned char* dst1,
+                                   const CUtensorMap* map0, const CUtensorMap* map1, int row, int h,
+                                   int b, std::uint64_t* bar) {
+    for (int c = 0; c < kD / kBoxCols; ++c) {
+      if (map0 != nullptr) tma_load_4d(dst0 + c * kBoxBytes, map0, c * kBoxCols, row, h, b, bar);
+      tma_load_4d(dst1 + c * kBoxBytes, map1, c * kBoxCols, row, h, b, bar);
+    }
+  }
 };
 
 // --- dK, dV ------------------------------------------------------------------------------------
@@ -161,12 +182,7 @@ struct dkdv_pass {
     bool have = walker.next(h, tile, full);
     if (have && leader) {
       mbar_arrive_expect_tx(&bar.resident, 2 * L::resident_tile::kBytes);
-      for (int c = 0; c < kD / kBoxCols; ++c) {
-        tma_load_4d(smem.resident[0] + c * L::resident_tile::kBoxBytes, &hp.maps.k, c * kBoxCols,
-                    k0, hk, b, &bar.resident);
-        tma_load_4d(smem.resident[1] + c * L::resident_tile::kBoxBytes, &hp.maps.v, c * kBoxCols,
-                    k0, hk, b, &bar.resident);
-      }
+      smem.load_resident(&hp.maps.k, &hp.maps.v, k0, hk, b, &bar.resident);
     }
     for (int it = 0;; ++it) {
       const int s = it % kBwdStages;
@@ -178,24 +194,15 @@ struct dkdv_pass {
       }
       const int q0 = static_cast<int>(tile) * kBwdRows;
       for (int r = lane; r < kBwdRows; r += 32) {
-        const std::int64_t i = q0 + r;
-        const bool valid = i < p.len_q;
-        bar.lse_base[s][r] =
-            valid ? lse_exponent_base(
-                        p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]])
-                  : 0.f;
-        bar.delta[s][r] = valid ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f;
+        const row_terms row = row_terms_of(bp, b, h, q0 + r);
+        bar.lse_base[s][r] = row.base;
+        bar.delta[s][r] = row.delta;
       }
       // Each lane's arrival releases its own stores; lane 0's also announces the TMA bytes.
       if (leader) {
         bar.info[s] = {int(tile), int(h), full && !keys_past_end ? 1 : 0, 0};
         mbar_arrive_expect_tx(&bar.full[s], 2 * L::staged_tile::kBytes);
-        for (int c = 0; c < kD / kBoxCols; ++c) {
-          tma_load_4d(smem.stage(0, s) + c * L::staged_tile::kBoxBytes, &hp.maps.q, c * kBoxCols,
-                      q0, int(h), b, &bar.full[s]);
-          tma_load_4d(smem.stage(1, s) + c * L::staged_tile::kBoxBytes, &hp.maps.d_o, c * kBoxCols,
-                      q0, int(h), b, &bar.full[s]);
-        }
+        smem.load_stage(s, &hp.maps.q, &hp.maps.d_o, q0, int(h), b, &bar.full[s]);
       } else {
         mbar_arrive(&bar.full[s]);
       }
@@ -206,7 +213,6 @@ struct dkdv_pass {
   template <class T, int kD>
   __device__ static void consume(const hopper_bwd_params& hp, int consumer,
                                  const dkdv_layout<kD>& smem, dkdv_barriers& bar) {
-    using L = dkdv_layout<kD>;
     const backward_params& bp = hp.bp;
     const kernel_params& p = bp.fwd;
     const int t = static_cast<int>(threadIdx.x % 128);
@@ -222,7 +228,7 @@ struct dkdv_pass {
     for (int it = 0;; ++it) {
       const int s = it % kBwdStages;
       mbar_wait(&bar.full[s], (it / kBwdStages) & 1);
-      const bwd_stage_info info = read_bwd_stage_info(bar.info[s]);
+      const bwd_stage_info info = read_stage_slot(bar.info[s]);
       if (info.tile == kNoMoreTiles) break;
       if (it == 0) mbar_wait(&bar.resident, 0);
       const unsigned char* sQ = smem.stage(0, s);
@@ -254,7 +260,7 @@ struct dkdv_pass {
 #pragma unroll
       for (int i = 0; i < 32; ++i) {
         const int nb = i / 4, e = i % 4;
-        const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+        const bool on = fragment_bit(visible, nb, e);
         rS[i] = probability(rS[i], on, base[8 * nb + col0 + e % 2], p.scale);
       }
       wgmma_wait<0>();
@@ -262,7 +268,7 @@ struct dkdv_pass {
 #pragma unroll
       for (int i = 0; i < 32; ++i) {
         const int nb = i / 4, e = i % 4;
-        const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+        const bool on = fragment_bit(visible, nb, e);
         rdP[i] = score_gradient(rS[i], rdP[i], on, delta[8 * nb + col0 + e % 2]);
       }
       std::uint32_t aP[4][4], adS[4][4];
@@ -285,7 +291,6 @@ struct dkdv_pass {
     const std::int64_t row0 = k0 + key_row0;
     store_gradient<T, kD>(bp.dk, bp.dk_stride, bp.grad_out, b, hk, row0, p.len_k, rdK, p.scale);
     store_gradient<T, kD>(bp.dv, bp.dv_stride, bp.grad_out, b, hk, row0, p.len_k, rdV, 1.f);
-    (void)L::kSmemBytes;
   }
 };
 
@@ -326,12 +331,7 @@ struct dq_pass {
     bool have = walker.next(tile, full);
     if (have && leader) {
       mbar_arrive_expect_tx(&bar.resident, 2 * L::resident_tile::kBytes);
-      for (int c = 0; c < kD / kBoxCols; ++c) {
-        tma_load_4d(smem.resident[0] + c * L::resident_tile::kBoxBytes, &hp.maps.q, c * kBoxCols,
-                    int(q0), h, b, &bar.resident);
-        tma_load_4d(smem.resident[1] + c * L::resident_tile::kBoxBytes, &hp.maps.d_o, c * kBoxCols,
-                    int(q0), h, b, &bar.resident);
-      }
+      smem.load_resident(&hp.maps.q, &hp.maps.d_o, int(q0), h, b, &bar.resident);
     }
     const T* gK = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
     for (int it = 0;; ++it) {
@@ -356,14 +356,7 @@ struct dq_pass {
       if (leader) {
         bar.info[s] = {int(tile), h, full ? 1 : 0, 0};
         mbar_arrive_expect_tx(&bar.full[s], (k_tail ? 1 : 2) * L::staged_tile::kBytes);
-        for (int c = 0; c < kD / kBoxCols; ++c) {
-          if (!k_tail) {
-            tma_load_4d(smem.stage(0, s) + c * L::staged_tile::kBoxBytes, &hp.maps.k, c * kBoxCols,
-                        k0, hk, b, &bar.full[s]);
-          }
-          tma_load_4d(smem.stage(1, s) + c * L::staged_tile::kBoxBytes, &hp.maps.v, c * kBoxCols,
-                      k0, hk, b, &bar.full[s]);
-        }
+        smem.load_stage(s, k_tail ? nullptr : &hp.maps.k, &hp.maps.v, k0, hk, b, &bar.full[s]);
       }
       have = walker.next(tile, full);
     }
@@ -373,7 +366,6 @@ struct dq_pass {
   __device__ static void consume(const hopper_bwd_params& hp, int consumer,
                                  const dq_layout<kD>& smem, dq_barriers& bar) {
     constexpr int kKeys = kBwdQKeysFor<kD>;
-    using L = dq_layout<kD>;
     const backward_params& bp = hp.bp;
     const kernel_params& p = bp.fwd;
     const std::int64_t q0 = dq_row0();
@@ -382,12 +374,9 @@ struct dq_pass {
     float base[2], delta[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const std::int64_t i = q0 + at.row0 + 8 * r;
-      const bool valid = i < p.len_q;
-      base[r] = valid ? lse_exponent_base(
-                            p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]])
-                      : 0.f;
-      delta[r] = valid ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f;
+      const row_terms row = row_terms_of(bp, b, h, q0 + at.row0 + 8 * r);
+      base[r] = row.base;
+      delta[r] = row.delta;
     }
     float rdQ[kD / 2] = {};        // (64 rows, kD): dQ / scale
     constexpr int kS = kKeys / 2;  // accumulator floats of S and dP per thread
@@ -399,7 +388,7 @@ struct dq_pass {
     for (;; ++it) {
       const int s = it % kBwdStages;
       mbar_wait(&bar.full[s], (it / kBwdStages) & 1);
-      const bwd_stage_info info = read_bwd_stage_info(bar.info[s]);
+      const bwd_stage_info info = read_stage_slot(bar.info[s]);
       if (info.tile == kNoMoreTiles) break;
       if (it == 0) mbar_wait(&bar.resident, 0);
 
@@ -431,7 +420,7 @@ struct dq_pass {
 #pragma unroll
       for (int i = 0; i < kS; ++i) {
         const int nb = i / 4, e = i % 4;
-        const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+        const bool on = fragment_bit(visible, nb, e);
         rS[i] = probability(rS[i], on, base[e / 2], p.scale);
       }
       wgmma_wait<0>();
@@ -439,7 +428,7 @@ struct dq_pass {
 #pragma unroll
       for (int i = 0; i < kS; ++i) {
         const int nb = i / 4, e = i % 4;
-        const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+        const bool on = fragment_bit(visible, nb, e);
         rdP[i] = score_gradient(rS[i], rdP[i], on, delta[e / 2]);
       }
       to_a_fragments<T>(rdP, adS);
@@ -457,7 +446,6 @@ struct dq_pass {
     }
     store_gradient<T, kD>(bp.dq, bp.dq_stride, bp.grad_out, b, h, q0 + consumer * 64, p.len_q, rdQ,
                           p.scale);
-    (void)L::kSmemBytes;
   }
 };
 

@@ -206,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_dkdv_kernel(const backward_par
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = r0 + nb * 8 + (lane % 4) * 2 + e % 2;
-          const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+          const bool on = fragment_bit(visible, nb, e);
           probabilities_and_ds(rS[nb][e], rdP[nb][e], on, sL[row], sDl[row], p.scale);
         }
       }
@@ -339,7 +339,7 @@ __global__ void __launch_bounds__(kThreads) tc_dq_kernel(const backward_params b
       for (int nb = 0; nb < kN / 8; ++nb) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+          const bool on = fragment_bit(visible, nb, e);
           probabilities_and_ds(rS[nb][e], rdP[nb][e], on, lse[e / 2], delta[e / 2], p.scale);
         }
       }

@@ -75,22 +75,6 @@ struct alignas(16) bwd_stage_info {
   int unused;
 };
 
-// Stage s's descriptor as a consumer warp reads it: lane 0 alone loads it (inline PTX, so that
-// the load cannot run on every lane) and hands it on; see read_stage_info in tiles.cuh.
-__device__ __forceinline__ bwd_stage_info read_bwd_stage_info(const bwd_stage_info& slot) {
-  bwd_stage_info info{0, 0, 0, 0};
-  if ((threadIdx.x & 31) == 0) {
-    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(info.tile), "=r"(info.head), "=r"(info.full), "=r"(info.unused)
-                 : "r"(smem_addr(&slot))
-                 : "memory");
-  }
-  info.tile = __shfl_sync(kFullWarp, info.tile, 0);
-  info.head = __shfl_sync(kFullWarp, info.head, 0);
-  info.full = __shfl_sync(kFullWarp, info.full, 0);
-  return info;
-}
-
 // The barriers of either kernel: `resident` for the tiles loaded once (K and V, or Q and dO),
 // full / empty per stage. The dK, dV kernel's stages also carry their rows' LSE (as the
 // exponent base, below) and Delta, written by the producer's lanes and read by every consumer
@@ -131,11 +115,21 @@ struct bwd_barriers {
 using dkdv_barriers = bwd_barriers<32, 128 * kConsumers>;
 using dq_barriers = bwd_barriers<1, 4 * kConsumers>;
 
-// A row's LSE as the base of its probabilities' exponent, pre-multiplied by log2 e: the
-// reference's guard, exp_base, so that an empty row's LSE = −inf gives base 0 (never
-// −inf − (−inf)); every pair of such a row is masked, so its P is 0 by selection.
-__device__ __forceinline__ float lse_exponent_base(float lse) {
-  return online_softmax<float>::exp_base(lse) * kLog2e;
+// What the elementwise steps need of query row i: its LSE as the base of its probabilities'
+// exponent, pre-multiplied by log2 e, and its Delta. The base is the reference's guard,
+// exp_base, so that an empty row's LSE = −inf gives base 0 (never −inf − (−inf)); every pair of
+// such a row, and of a row past the end (here (0, 0)), is masked, so its P is 0 by selection.
+struct row_terms {
+  float base, delta;
+};
+__device__ __forceinline__ row_terms row_terms_of(const backward_params& bp, std::int64_t b,
+                                                  std::int64_t h, std::int64_t i) {
+  const kernel_params& p = bp.fwd;
+  const bool valid = i < p.len_q;
+  const float lse =
+      valid ? p.lse[b * p.lse_stride[0] + h * p.lse_stride[1] + i * p.lse_stride[2]] : 0.f;
+  return {valid ? online_softmax<float>::exp_base(lse) * kLog2e : 0.f,
+          valid ? bp.delta[(b * p.heads_q + h) * p.len_q + i] : 0.f};
 }
 
 // SPEC §9's elementwise steps for one (row, key) pair, in two halves so that the first can run

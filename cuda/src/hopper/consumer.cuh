@@ -80,7 +80,7 @@ struct consumer_ring {
   // Waits for stage `it` and reads its descriptor.
   __device__ stage_info next() {
     mbar_wait(&bar.k_full[stage(it)], parity(it));
-    return read_stage_info(bar.info[stage(it)]);  // written before the arrival
+    return read_stage_slot(bar.info[stage(it)]);  // written before the arrival
   }
 };
 

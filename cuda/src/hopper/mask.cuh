@@ -54,7 +54,7 @@ struct tile_mask {
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
       const int nb = i / 4, e = i % 4;
-      const bool on = (visible[e / 2] >> (2 * nb + e % 2)) & 1u;
+      const bool on = fragment_bit(visible, nb, e);
       s[i] = on ? s[i] * scale : -INFINITY;
     }
   }

@@ -95,9 +95,7 @@ __device__ __noinline__ producer_counts produce_item(const Params& hp, unsigned 
     mbar_wait(&bar.q_empty, (n.q_loads & 1) ^ 1);  // the consumers are done with the last Q
     if (leader) {
       mbar_arrive_expect_tx(&bar.q_full, t::kQBytes);
-      for (int c = 0; c < t::kBoxes; ++c) {
-        tma_load_4d(smem.q + c * t::kQBoxBytes, &maps.q, c * kBoxCols, w.q0, w.h, w.b, &bar.q_full);
-      }
+      tma_load_tile<kD, t::kQBoxBytes>(smem.q, &maps.q, w.q0, w.h, w.b, &bar.q_full);
     }
     ++n.q_loads;
   }
@@ -108,16 +106,12 @@ __device__ __noinline__ producer_counts produce_item(const Params& hp, unsigned 
     if (leader) {
       bar.info[s] = {int(tile), full ? 1 : 0, work, 0};
       mbar_arrive_expect_tx(&bar.k_full[s], t::kKVBytes);
-      for (int c = 0; c < t::kBoxes; ++c) {
-        tma_load_4d(smem.k_stage(s) + c * t::kKVBoxBytes, &maps.k, c * kBoxCols, int(k0), w.hk, w.b,
-                    &bar.k_full[s]);
-      }
+      tma_load_tile<kD, t::kKVBoxBytes>(smem.k_stage(s), &maps.k, int(k0), w.hk, w.b,
+                                        &bar.k_full[s]);
       if (!v_tail) {
         mbar_arrive_expect_tx(&bar.v_full[s], t::kKVBytes);
-        for (int c = 0; c < t::kBoxes; ++c) {
-          tma_load_4d(smem.v_stage(s) + c * t::kKVBoxBytes, &maps.v, c * kBoxCols, int(k0), w.hk,
-                      w.b, &bar.v_full[s]);
-        }
+        tma_load_tile<kD, t::kKVBoxBytes>(smem.v_stage(s), &maps.v, int(k0), w.hk, w.b,
+                                          &bar.v_full[s]);
       }
     }
     if (v_tail) {

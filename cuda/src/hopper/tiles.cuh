@@ -8,6 +8,7 @@
 // is stored as D / 64 boxes of (rows, 64) in the 128-byte swizzle layout (sm90.cuh), one TMA
 // box each.
 
+#include <cstddef>
 #include <cstdint>
 
 #include "../common.cuh"  // kFullWarp
@@ -52,6 +53,15 @@ struct tiles {
   static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kAtomBytes;
 };
 
+// A (rows, kD) tile at row `row` of head h, batch b of a (D, L, H, B) tensor map: its kD / 64
+// boxes (kBoxBytes each) by TMA, the bytes counted on `bar`.
+template <int kD, int kBoxBytes>
+__device__ __forceinline__ void tma_load_tile(unsigned char* dst, const CUtensorMap* map, int row,
+                                              int h, int b, std::uint64_t* bar) {
+  for (int c = 0; c < kD / kBoxCols; ++c)
+    tma_load_4d(dst + c * kBoxBytes, map, c * kBoxCols, row, h, b, bar);
+}
+
 // What the producer tells the consumers about the key tile in a stage. Each work item's tiles
 // are followed by a stage with tile = kNoMoreTiles (an item with no visible key has that stage
 // alone), and the block's last item by a stage with work = kNoMoreWork.
@@ -69,18 +79,24 @@ inline constexpr int kNoMoreWork = -1;
 // thread, ordered by program order and the barrier's release; the producer rewrites the slot
 // only after that barrier completes. The load is inline PTX so that the compiler cannot
 // execute it on every lane and keep lane 0's value (a plain load it hoisted out of the branch:
-// harmless, but a read racecheck reports against the producer's next write).
-__device__ __forceinline__ stage_info read_stage_info(const stage_info& slot) {
-  stage_info info{0, 0, 0, 0};
+// harmless, but a read racecheck reports against the producer's next write). Every descriptor
+// (this one, the backward's bwd_stage_info) is three ints and a fourth of padding, `unused`.
+template <class Info>
+__device__ __forceinline__ Info read_stage_slot(const Info& slot) {
+  static_assert(sizeof(Info) == 16 && alignof(Info) == 16 && offsetof(Info, unused) == 12,
+                "three ints and padding, one 16-byte load");
+  int w[4] = {0, 0, 0, 0};
   if ((threadIdx.x & 31) == 0) {
     asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(info.tile), "=r"(info.full), "=r"(info.work), "=r"(info.unused)
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3])
                  : "r"(smem_addr(&slot))
                  : "memory");
   }
-  info.tile = __shfl_sync(kFullWarp, info.tile, 0);
-  info.full = __shfl_sync(kFullWarp, info.full, 0);
-  info.work = __shfl_sync(kFullWarp, info.work, 0);
+  Info info{};
+  int* fields = reinterpret_cast<int*>(&info);
+#pragma unroll
+  for (int f = 0; f < 3; ++f)
+    fields[f] = __shfl_sync(kFullWarp, w[f], 0);
   return info;
 }
 
