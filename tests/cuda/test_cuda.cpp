@@ -246,6 +246,100 @@ TEST_CASE("cuda device entry: bf16 in and out, [B, L, H, D] storage, a stream", 
       compare(g, o.data(), lse.data(), default_tolerance(input_dtype::bfloat16, max_v)));
 }
 
+// O's layout decides how the epilogue stores (16-byte pieces of whole columns when its rows
+// allow, 8-byte float pairs, else element by element), never what it stores: bf16 output in
+// three layouts gives the same bits, float32 output in two the same values, and the bf16 bits
+// are the float32 values rounded to nearest. Rows past Lq in the last tile and empty rows
+// (bottom-right causal with Lq > Lk) included.
+TEST_CASE("cuda device entry: O's layout and dtype change no bit of the result", "[cuda]") {
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 200, s.Lk = 150, s.D = s.Dv = GENERATE(64, 128, 256);
+  s.causal = causal_mode::bottom_right;
+  const std::vector<fc::kernel_choice> kernels = half_kernels();
+  const fc::kernel_choice kernel = GENERATE_COPY(from_range(kernels));
+  if (!half_takes(kernel, s.D, s.Dv)) return;
+  CAPTURE(s.describe(), name_of(kernel));
+  flashref::problem_data op = flashref::test::random_problem(s, 33);
+  flashref::test::round_inputs(op, input_dtype::bfloat16);
+  const flashref::attention_problem p = op.inputs();
+  auto to_bits = [](const xt::xtensor<float, 4>& x) {
+    std::vector<std::uint16_t> out(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i)
+      out[i] = bf16_bits(x.data()[i]);
+    return out;
+  };
+  const auto q = to_bits(op.q), k = to_bits(op.k), v = to_bits(op.v);
+  const std::int64_t B = s.B, H = s.Hq, L = s.Lq, Dv = s.Dv;
+  const auto bf16 = input_dtype::bfloat16, f32 = input_dtype::float32;
+  // O as (B, H, L, Dv) with row pitch `pitch` and column stride `col`, `offset` elements into
+  // its allocation; returned row-major as float (LSE into `lse` when given).
+  const auto run = [&](input_dtype out, std::int64_t pitch, std::int64_t col, std::int64_t offset,
+                       std::vector<float>* lse = nullptr) {
+    device_copy dc;
+    fc::device_problem dp;
+    const std::array<std::int64_t, 4> qs{B, s.Hq, s.Lq, s.D}, ks{B, s.Hk, s.Lk, s.D};
+    dp.q = {dc.upload(q.data(), q.size() * 2), bf16, qs, p.q.stride};
+    dp.k = {dc.upload(k.data(), k.size() * 2), bf16, ks, p.k.stride};
+    dp.v = {dc.upload(v.data(), v.size() * 2), bf16, ks, p.v.stride};
+    const std::int64_t elem = out == input_dtype::float32 ? 4 : 2;
+    const std::int64_t count = B * H * L * pitch + offset;
+    auto* base = static_cast<unsigned char*>(dc.alloc(std::size_t(count * elem)));
+    const std::array<std::int64_t, 4> ost{H * L * pitch, L * pitch, pitch, col};
+    dp.o = {base + offset * elem, out, {B, H, L, Dv}, ost};
+    if (lse != nullptr) {
+      lse->resize(std::size_t(B * H * L));
+      dp.lse = {dc.alloc(lse->size() * 4), f32, {B, H, L}, {H * L, L, 1}};
+    }
+    dp.causal = p.causal;
+    dp.kernel = kernel;
+    REQUIRE(std::string(fc::kernel_for(dp)) == name_of(kernel));
+    fc::attention(dp, nullptr);
+    cuda_check(cudaDeviceSynchronize());
+    std::vector<unsigned char> raw(std::size_t(count * elem));
+    cuda_check(cudaMemcpy(raw.data(), base, raw.size(), cudaMemcpyDeviceToHost));
+    if (lse != nullptr) {
+      cuda_check(cudaMemcpy(lse->data(), dp.lse.data, lse->size() * 4, cudaMemcpyDeviceToHost));
+    }
+    std::vector<float> o;
+    for (std::int64_t b = 0; b < B; ++b)
+      for (std::int64_t h = 0; h < H; ++h)
+        for (std::int64_t i = 0; i < L; ++i)
+          for (std::int64_t d = 0; d < Dv; ++d) {
+            const std::int64_t at = offset + b * ost[0] + h * ost[1] + i * ost[2] + d * ost[3];
+            if (elem == 4) {
+              float x = 0;
+              std::memcpy(&x, raw.data() + at * 4, 4);
+              o.push_back(x);
+            } else {
+              std::uint16_t x = 0;
+              std::memcpy(&x, raw.data() + at * 2, 2);
+              o.push_back(from_bf16_bits(x));
+            }
+          }
+    return o;
+  };
+  const std::vector<float> packed = run(bf16, Dv, 1, 0);      // 16-byte pieces
+  const std::vector<float> padded = run(bf16, Dv + 4, 1, 0);  // rows 8-byte aligned only
+  const std::vector<float> spread = run(bf16, 2 * Dv, 2, 0);  // column stride 2
+  std::vector<float> lse;
+  const std::vector<float> pairs = run(f32, Dv, 1, 0, &lse);  // 8-byte float pairs
+  const std::vector<float> single = run(f32, Dv, 1, 1);       // rows 4-byte aligned only
+  REQUIRE(packed.size() == pairs.size());
+  std::size_t differ = 0;
+  for (std::size_t n = 0; n < packed.size(); ++n) {
+    const bool same = bf16_bits(packed[n]) == bf16_bits(padded[n]) &&
+                      bf16_bits(packed[n]) == bf16_bits(spread[n]) &&
+                      std::memcmp(&pairs[n], &single[n], 4) == 0 &&
+                      bf16_bits(packed[n]) == bf16_bits(pairs[n]);
+    if (!same) ++differ;
+  }
+  CHECK(differ == 0);
+  const flashref::reference::golden g = flashref::reference::naive_attention(op.inputs());
+  const double max_v = flashref::test::max_abs(op.v);
+  FLASHREF_REQUIRE_CONFORMS(
+      compare(g, pairs.data(), lse.data(), default_tolerance(input_dtype::bfloat16, max_v)));
+}
+
 TEST_CASE("cuda is bitwise deterministic from run to run", "[cuda][big]") {
   problem_shape s;
   s.B = 2, s.Hq = 8, s.Hk = 4, s.Lq = 1500, s.Lk = 2100, s.D = s.Dv = 128;
