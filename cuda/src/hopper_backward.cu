@@ -28,6 +28,7 @@
 #include "hopper/backward.cuh"
 #include "hopper/mask.cuh"
 #include "hopper/sm90.cuh"
+#include "hopper/store.cuh"
 #include "hopper/tensor_map.hpp"
 #include "hopper/tiles.cuh"
 #include "hopper/wgmma.cuh"
@@ -80,27 +81,20 @@ __device__ __forceinline__ void product_ss(float (&acc)[kBRows / 2], const unsig
 }
 
 // Stores this thread's share of a (64, kD) accumulator as rows row0 + [0, 64) of a gradient:
-// element 4 n8 + e is row 16 warp + lane / 4 + 8 (e / 2), column 8 n8 + 2 (lane % 4) + e % 2.
+// element 4 n8 + e is row 16 warp + lane / 4 + 8 (e / 2), column 8 n8 + 2 (lane % 4) + e % 2
+// (16-byte stores where the gradient's rows allow: store.cuh).
 template <class T, int kD>
 __device__ void store_gradient(void* g, const std::int64_t* stride, elem out, std::int64_t b,
                                std::int64_t h, std::int64_t row0, std::int64_t row_end,
                                const float (&acc)[kD / 2], float factor) {
   const int t = static_cast<int>(threadIdx.x % 128);
   const std::int64_t r_a = row0 + (t / 32) * 16 + (t % 32) / 4;
-  const int c0 = 2 * (t % 4);
+  const row_store how = row_store_of(g, stride, out);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const std::int64_t row = r_a + 8 * r;
-    if (row >= row_end) continue;
     const std::int64_t base = b * stride[0] + h * stride[1] + row * stride[2];
-#pragma unroll
-    for (int nb = 0; nb < kD / 8; ++nb) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        store_out<T>(g, base + (8 * nb + c0 + c) * stride[3], factor * acc[4 * nb + 2 * r + c],
-                     out);
-      }
-    }
+    store_fragment_row<T>(g, base, stride[3], out, how, row < row_end, acc, r, factor);
   }
 }
 

@@ -369,6 +369,93 @@ TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, 
       flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
 }
 
+// The gradients' layout decides how they are stored (16-byte pieces of whole columns where
+// the rows allow, 8-byte float pairs, else element by element), never what: bf16 gradients in
+// packed and padded rows give the same bits, float32 in aligned and misaligned rows the same
+// values, and the bf16 bits are the float32 values rounded to nearest.
+TEST_CASE("cuda backward: the gradients' layout and dtype change no bit", "[cuda][backward]") {
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 200, s.Lk = 150, s.D = s.Dv = GENERATE(64, 128);
+  s.causal = causal_mode::bottom_right;
+  const fc::kernel_choice kernel =
+      GENERATE(fc::kernel_choice::tensor_core, fc::kernel_choice::hopper);
+  if (kernel == fc::kernel_choice::hopper && !hopper_backward_device()) return;
+  CAPTURE(s.describe(), name_of(kernel));
+  problem_data d = flashref::test::build({"gradient layouts", s, 73}, input_dtype::bfloat16);
+  fc::attention(d.problem());
+  flashref::test::add_upstream_gradient(d, 73);
+  const flashref::attention_problem p = d.problem();
+  const flashref::attention_gradients g = d.gradients();
+  const input_dtype bf = input_dtype::bfloat16, f32 = input_dtype::float32;
+  // One run with every gradient as (B, H, L, X) of row pitch X + pad, `offset` elements into
+  // its allocation; the three gradients returned row-major as float, one after the other.
+  const auto run = [&](input_dtype out, std::int64_t pad, std::int64_t offset) {
+    device_memory mem;
+    fc::device_backward_problem dp;
+    dp.forward.q = blhd_tensor(mem.upload(blhd_bits(p.q)), bf, p.q.shape);
+    dp.forward.k = blhd_tensor(mem.upload(blhd_bits(p.k)), bf, p.k.shape);
+    dp.forward.v = blhd_tensor(mem.upload(blhd_bits(p.v)), bf, p.v.shape);
+    dp.forward.o = blhd_tensor(mem.upload(blhd_bits(p.o)), bf, p.o.shape);
+    std::vector<float> lse(std::size_t(s.B * s.Hq * s.Lq));
+    for (std::int64_t n = 0; n < std::int64_t(lse.size()); ++n)
+      lse[std::size_t(n)] = p.lse(n / (s.Hq * s.Lq), n / s.Lq % s.Hq, n % s.Lq);
+    dp.forward.lse = {mem.upload(lse), f32, p.lse.shape, {s.Hq * s.Lq, s.Lq, 1}};
+    dp.forward.causal = p.causal;
+    dp.forward.kernel = kernel;
+    dp.d_o = blhd_tensor(mem.upload(blhd_bits(g.d_o)), bf, g.d_o.shape);
+    const std::int64_t elem = out == f32 ? 4 : 2;
+    std::vector<std::pair<unsigned char*, std::int64_t>> bases;
+    const auto grad = [&](const std::array<std::int64_t, 4>& sh) {
+      const std::int64_t pitch = sh[3] + pad, count = sh[0] * sh[1] * sh[2] * pitch + offset;
+      auto* base = static_cast<unsigned char*>(mem.alloc(std::size_t(count * elem)));
+      bases.emplace_back(base, count);
+      return fc::device_tensor<4>{
+          base + offset * elem, out, sh, {sh[1] * sh[2] * pitch, sh[2] * pitch, pitch, 1}};
+    };
+    dp.d_q = grad(g.dq.shape);
+    dp.d_k = grad(g.dk.shape);
+    dp.d_v = grad(g.dv.shape);
+    REQUIRE(std::string(fc::backward_kernel_for(dp)) == name_of(kernel));
+    fc::attention_backward(dp, nullptr);
+    cuda_check(cudaDeviceSynchronize());
+    std::vector<float> all;
+    const fc::device_tensor<4>* tensors[3] = {&dp.d_q, &dp.d_k, &dp.d_v};
+    for (int t = 0; t < 3; ++t) {
+      const fc::device_tensor<4>& x = *tensors[t];
+      std::vector<unsigned char> raw(std::size_t(bases[std::size_t(t)].second * elem));
+      cuda_check(
+          cudaMemcpy(raw.data(), bases[std::size_t(t)].first, raw.size(), cudaMemcpyDeviceToHost));
+      for (std::int64_t b = 0; b < x.shape[0]; ++b)
+        for (std::int64_t h = 0; h < x.shape[1]; ++h)
+          for (std::int64_t i = 0; i < x.shape[2]; ++i)
+            for (std::int64_t c = 0; c < x.shape[3]; ++c) {
+              const std::int64_t at =
+                  offset + b * x.stride[0] + h * x.stride[1] + i * x.stride[2] + c;
+              if (elem == 4) {
+                float v = 0;
+                std::memcpy(&v, raw.data() + at * 4, 4);
+                all.push_back(v);
+              } else {
+                std::uint16_t v = 0;
+                std::memcpy(&v, raw.data() + at * 2, 2);
+                all.push_back(from_bf16_bits(v));
+              }
+            }
+    }
+    return all;
+  };
+  const std::vector<float> packed = run(bf, 0, 0), padded = run(bf, 4, 0);
+  const std::vector<float> pairs = run(f32, 0, 0), single = run(f32, 0, 1);
+  REQUIRE(packed.size() == pairs.size());
+  std::size_t differ = 0;
+  for (std::size_t n = 0; n < packed.size(); ++n) {
+    if (bf16_bits(packed[n]) != bf16_bits(padded[n]) ||
+        std::memcmp(&pairs[n], &single[n], 4) != 0 || bf16_bits(packed[n]) != bf16_bits(pairs[n]))
+      ++differ;
+  }
+  CHECK(differ == 0);
+}
+
 TEST_CASE("cuda backward: a NaN in an input reaches only what it feeds", "[cuda][backward]") {
   // bf16 data with a NaN in one key: the host entry runs the float32 kernel, which never reads a
   // masked pair (a tensor-core product would add 0 · NaN into the rows that mask the key). Under
