@@ -119,19 +119,23 @@ expect "bench-gpu-ab with a missing pack" 2 "PACK_B: expected a folder or a .tar
   -- "$ab" "$work/ab" "$pack" "$work/no-such-pack"
 expect "bench-gpu-ab with no rounds" 2 "--rounds: expected a positive count, got 0" \
   -- "$ab" "$work/ab" "$pack" "$pack" --rounds 0
-# Packs whose bench-gpu reports one point: A at 100 TFLOP/s, B at 110, N at 120 with a NaN.
+# Packs whose bench-gpu reports one point, forward and backward: A at 100 TFLOP/s (backward 50),
+# B at 110 (55), N at 120 (60) with a NaN. The two passes must stay apart in the table.
 for side in a:100:0 b:110:0 n:120:1; do
   IFS=: read -r name rate nan <<<"$side"
   mkdir -p "$work/ab-$name/bin" "$work/ab-$name/lib"
   cat >"$work/ab-$name/bin/flashref" <<STUB
 #!/bin/sh
 # bench-gpu --json FILE ...: one record
-echo '[{"backend": "cuda", "D": 128, "Lq": 1024, "mask": "dense", "density": 0, "dtype": "bfloat16", "kernel": "hopper", "tflops": $rate, "nan_count": $nan, "empty_rows_bad": 0}]' >"\$3"
+echo '[{"backend": "cuda", "D": 128, "Lq": 1024, "mask": "dense", "density": 0, "dtype": "bfloat16", "kernel": "hopper", "tflops": $rate, "nan_count": $nan, "empty_rows_bad": 0},
+  {"backend": "cuda", "pass": "backward", "D": 128, "Lq": 1024, "mask": "dense", "density": 0, "dtype": "bfloat16", "kernel": "hopper", "tflops": $((rate / 2)), "nan_count": 0, "empty_rows_bad": 0}]' >"\$3"
 STUB
   chmod +x "$work/ab-$name/bin/flashref"
 done
-expect "bench-gpu-ab: B / A per point, best of the rounds" 0 "\\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 100.0 \\| 110.0 \\| 1.100 \\| none \\|" \
+expect "bench-gpu-ab: B / A per point, best of the rounds" 0 "\\| forward \\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 100.0 \\| 110.0 \\| 1.100 \\| none \\|" \
   -- "$ab" "$work/ab-out" "$work/ab-a" "$work/ab-b" --rounds 2 -- --lengths 1024
+expect "bench-gpu-ab: the backward's points in rows of their own" 0 "\\| backward \\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 50.0 \\| 55.0 \\| 1.100 \\| none \\|" \
+  -- "$ab" "$work/ab-out4" "$work/ab-a" "$work/ab-b" --rounds 1 -- --lengths 1024 --backward
 expect "bench-gpu-ab: a NaN at a point is flagged and fails the comparison" 1 "\\| 1.200 \\| B \\|" \
   -- "$ab" "$work/ab-out3" "$work/ab-a" "$work/ab-n" --rounds 1
 stub "$work/ab-fail/bin" flashref 3 "bench-gpu failed"
