@@ -29,9 +29,10 @@ namespace flashref::cuda::detail::sm90 {
 inline constexpr int kBwdKeys = 128;   // dK, dV kernel: keys per block (two consumers of 64)
 inline constexpr int kBwdRows = 64;    // dK, dV kernel: query rows per stage
 inline constexpr int kBwdQRows = 128;  // dQ kernel: query rows per block (two consumers of 64)
-// dQ kernel: keys per stage (dQ, S, dP and dS's fragments: D / 2 + 32 + 32 + 16 registers).
+// dQ kernel: keys per stage. 64 at D = 128 (dQ, S, dP and dS's fragments: 64 + 32 + 32 + 16
+// registers), 128 at D = 64, where dQ is half as large: twice the work per stage and per wait.
 template <int kD>
-inline constexpr int kBwdQKeysFor = 64;
+inline constexpr int kBwdQKeysFor = kD == 64 ? 128 : 64;
 inline constexpr int kBwdStages = 3;
 // Registers per thread after setmaxnreg (the budget must balance, tiles.cuh). The dK, dV kernel's
 // consumers hold dK and dV (2 x D / 2 floats), Sᵀ and dPᵀ (2 x 32) and their A fragments at
