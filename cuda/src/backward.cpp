@@ -118,6 +118,9 @@ void enqueue_backward(const device_backward_problem& p, kernel_kind kernel, cons
   copy_array(bp.dq_stride, p.d_q.stride);
   copy_array(bp.dk_stride, p.d_k.stride);
   copy_array(bp.dv_stride, p.d_v.stride);
+  bp.dq_store = detail::row_store_of(bp.dq, bp.dq_stride, bp.grad_out);
+  bp.dk_store = detail::row_store_of(bp.dk, bp.dk_stride, bp.grad_out);
+  bp.dv_store = detail::row_store_of(bp.dv, bp.dv_stride, bp.grad_out);
 
   const std::size_t need = workspace_bytes(p);
   void* ws = p.workspace;

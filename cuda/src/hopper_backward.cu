@@ -81,20 +81,38 @@ __device__ __forceinline__ void product_ss(float (&acc)[kBRows / 2], const unsig
 }
 
 // Stores this thread's share of a (64, kD) accumulator as rows row0 + [0, 64) of a gradient:
-// element 4 n8 + e is row 16 warp + lane / 4 + 8 (e / 2), column 8 n8 + 2 (lane % 4) + e % 2
-// (16-byte stores where the gradient's rows allow: store.cuh).
+// element 4 n8 + e is row 16 warp + lane / 4 + 8 (e / 2), column 8 n8 + 2 (lane % 4) + e % 2.
+// `how` (launch.hpp's row_store_of): 16-byte stores of whole columns where the rows allow
+// (store.cuh), else element by element.
 template <class T, int kD>
-__device__ void store_gradient(void* g, const std::int64_t* stride, elem out, std::int64_t b,
-                               std::int64_t h, std::int64_t row0, std::int64_t row_end,
-                               const float (&acc)[kD / 2], float factor) {
+__device__ void store_gradient(void* g, const std::int64_t* stride, elem out, row_store how,
+                               std::int64_t b, std::int64_t h, std::int64_t row0,
+                               std::int64_t row_end, const float (&acc)[kD / 2], float factor) {
   const int t = static_cast<int>(threadIdx.x % 128);
   const std::int64_t r_a = row0 + (t / 32) * 16 + (t % 32) / 4;
-  const row_store how = row_store_of(g, stride, out);
+  if (how != row_store::elementwise) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const std::int64_t row = r_a + 8 * r;
+      const std::int64_t base = b * stride[0] + h * stride[1] + row * stride[2];
+      store_fragment_row<T>(g, base, stride[3], out, how, row < row_end, acc, r, factor);
+    }
+    return;
+  }
+  const int c0 = 2 * (t % 4);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const std::int64_t row = r_a + 8 * r;
+    if (row >= row_end) continue;
     const std::int64_t base = b * stride[0] + h * stride[1] + row * stride[2];
-    store_fragment_row<T>(g, base, stride[3], out, how, row < row_end, acc, r, factor);
+#pragma unroll
+    for (int nb = 0; nb < kD / 8; ++nb) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        store_out<T>(g, base + (8 * nb + c0 + c) * stride[3], factor * acc[4 * nb + 2 * r + c],
+                     out);
+      }
+    }
   }
 }
 
@@ -283,8 +301,14 @@ struct dkdv_pass {
       bar.release(s);
     }
     const std::int64_t row0 = k0 + key_row0;
-    store_gradient<T, kD>(bp.dk, bp.dk_stride, bp.grad_out, b, hk, row0, p.len_k, rdK, p.scale);
-    store_gradient<T, kD>(bp.dv, bp.dv_stride, bp.grad_out, b, hk, row0, p.len_k, rdV, 1.f);
+    // At D = 128 element by element: with dK and dV both live, the packed stores' shuffles
+    // push the consumers past their 224 registers (ptxas: 16 bytes spilled inside the loop
+    // above). D = 64 and the dQ kernel take the packed form.
+    const row_store dk_how = kD == 128 ? row_store::elementwise : bp.dk_store;
+    const row_store dv_how = kD == 128 ? row_store::elementwise : bp.dv_store;
+    store_gradient<T, kD>(bp.dk, bp.dk_stride, bp.grad_out, dk_how, b, hk, row0, p.len_k, rdK,
+                          p.scale);
+    store_gradient<T, kD>(bp.dv, bp.dv_stride, bp.grad_out, dv_how, b, hk, row0, p.len_k, rdV, 1.f);
   }
 };
 
@@ -438,8 +462,8 @@ struct dq_pass {
       fence_fragments(adS);
       bar.release((it - 1) % kBwdStages);
     }
-    store_gradient<T, kD>(bp.dq, bp.dq_stride, bp.grad_out, b, h, q0 + consumer * 64, p.len_q, rdQ,
-                          p.scale);
+    store_gradient<T, kD>(bp.dq, bp.dq_stride, bp.grad_out, bp.dq_store, b, h, q0 + consumer * 64,
+                          p.len_q, rdQ, p.scale);
   }
 };
 

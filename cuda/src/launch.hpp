@@ -12,6 +12,23 @@ namespace flashref::cuda::detail {
 
 enum class elem : int { f32 = 0, bf16 = 1, f16 = 2 };
 
+// How the Hopper kernels write a tensor's rows from an accumulator fragment (hopper/store.cuh):
+// 16-byte pieces of 16-bit elements, 8-byte float pairs, or element by element.
+enum class row_store : int { elementwise = 0, packed16 = 1, pairs32 = 2 };
+
+// The widest way a tensor (element type `out`, strides in elements, innermost last) takes whole
+// columns: unit column stride and every row's start aligned to the piece (the base pointer and
+// the three outer strides). The backward's gradients are judged on the host (backward_params,
+// whose kernels hold two accumulators and no register to spare), O in the forward's epilogue.
+FLASHREF_INLINE row_store row_store_of(const void* data, const std::int64_t (&stride)[4],
+                                       elem out) {
+  const bool half = out != elem::f32;
+  const std::int64_t bytes = half ? 16 : 8, per = half ? 8 : 2;
+  const bool fits = stride[3] == 1 && reinterpret_cast<std::uintptr_t>(data) % bytes == 0 &&
+                    stride[0] % per == 0 && stride[1] % per == 0 && stride[2] % per == 0;
+  return !fits ? row_store::elementwise : half ? row_store::packed16 : row_store::pairs32;
+}
+
 struct kernel_params {
   const void* q;  // (B, Hq, Lq, D)
   const void* k;  // (B, Hk, Lk, D)
@@ -73,6 +90,9 @@ struct backward_params {
   elem grad_out;  // f32, or the input element type
   std::int64_t d_o_stride[4], dq_stride[4], dk_stride[4], dv_stride[4];
   float* delta;  // (B, Hq, Lq) contiguous workspace: Delta = rowsum(dO ∘ O)
+  row_store dq_store = row_store::elementwise;  // row_store_of each gradient
+  row_store dk_store = row_store::elementwise;
+  row_store dv_store = row_store::elementwise;
 };
 
 // Delta = rowsum(dO ∘ O) into p.delta: every backward runs it first.

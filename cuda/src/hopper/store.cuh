@@ -35,25 +35,10 @@ __device__ __forceinline__ void transpose_quad(std::uint32_t (&x)[4], int lane) 
   }
 }
 
-// How a tensor's rows are written: 16-byte pieces of 16-bit elements, 8-byte float pairs, or
-// element by element.
-enum class row_store { packed16, pairs32, elementwise };
-
-// The widest way `g` (strides in elements, innermost last; element type `out`) can take whole
-// columns: unit column stride and every row's start aligned to the piece (the base pointer and
-// the three outer strides). The same for every thread of a launch.
-__device__ __forceinline__ row_store row_store_of(const void* g, const std::int64_t* stride,
-                                                  elem out) {
-  const bool half = out != elem::f32;
-  const int bytes = half ? 16 : 8, per = half ? 8 : 2;
-  const bool fits = stride[3] == 1 && reinterpret_cast<std::uintptr_t>(g) % bytes == 0 &&
-                    stride[0] % per == 0 && stride[1] % per == 0 && stride[2] % per == 0;
-  return !fits ? row_store::elementwise : half ? row_store::packed16 : row_store::pairs32;
-}
-
 // Row r (0 or 1) of this thread's share of a (64, 2 kN) accumulator times `scale`, to the row
-// starting at element `row_off` of `g` (column stride col_stride). Every lane of the warp calls
-// it (the packed form shuffles); only lanes with `row_in` store.
+// starting at element `row_off` of `g` (column stride col_stride), in the way `how`
+// (launch.hpp's row_store_of, decided on the host). Every lane of the warp calls it (the packed
+// form shuffles); only lanes with `row_in` store.
 template <class T, int kN>
 __device__ __forceinline__ void store_fragment_row(void* g, std::int64_t row_off,
                                                    std::int64_t col_stride, elem out, row_store how,
