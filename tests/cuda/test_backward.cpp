@@ -290,6 +290,23 @@ fc::device_tensor<4> blhd_tensor(void* data, input_dtype t, const std::array<std
   return {data, t, s, {s[2] * s[1] * s[3], s[3], s[1] * s[3], 1}};
 }
 
+// The forward's tensors of `p` on the device: q, k, v, O as bf16 [B, L, H, X], LSE float32
+// (B, Hq, Lq) contiguous; the mask's causal flag.
+void upload_forward(device_memory& mem, fc::device_backward_problem& dp,
+                    const flashref::attention_problem& p) {
+  const input_dtype bf = input_dtype::bfloat16;
+  dp.forward.q = blhd_tensor(mem.upload(blhd_bits(p.q)), bf, p.q.shape);
+  dp.forward.k = blhd_tensor(mem.upload(blhd_bits(p.k)), bf, p.k.shape);
+  dp.forward.v = blhd_tensor(mem.upload(blhd_bits(p.v)), bf, p.v.shape);
+  dp.forward.o = blhd_tensor(mem.upload(blhd_bits(p.o)), bf, p.o.shape);
+  const std::int64_t B = p.lse.shape[0], H = p.lse.shape[1], L = p.lse.shape[2];
+  std::vector<float> lse(std::size_t(B * H * L));
+  for (std::int64_t n = 0; n < std::int64_t(lse.size()); ++n)
+    lse[std::size_t(n)] = p.lse(n / (H * L), n / L % H, n % L);
+  dp.forward.lse = {mem.upload(lse), input_dtype::float32, p.lse.shape, {H * L, L, 1}};
+  dp.forward.causal = p.causal;
+}
+
 }  // namespace
 
 TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, a workspace",
@@ -321,17 +338,9 @@ TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, 
   cuda_check(cudaStreamCreate(&stream));
   fc::device_backward_problem dp;
   const input_dtype bf = input_dtype::bfloat16;
-  dp.forward.q = blhd_tensor(mem.upload(blhd_bits(p.q)), bf, p.q.shape);
-  dp.forward.k = blhd_tensor(mem.upload(blhd_bits(p.k)), bf, p.k.shape);
-  dp.forward.v = blhd_tensor(mem.upload(blhd_bits(p.v)), bf, p.v.shape);
-  dp.forward.o = blhd_tensor(mem.upload(blhd_bits(p.o)), bf, p.o.shape);
-  std::vector<float> lse(std::size_t(s.B * s.Hq * s.Lq));
-  for (std::int64_t n = 0; n < std::int64_t(lse.size()); ++n)
-    lse[std::size_t(n)] = p.lse(n / (s.Hq * s.Lq), n / s.Lq % s.Hq, n % s.Lq);
-  dp.forward.lse = {mem.upload(lse), input_dtype::float32, p.lse.shape, {s.Hq * s.Lq, s.Lq, 1}};
+  upload_forward(mem, dp, p);
   std::vector<std::int32_t> kv_len(p.kv_len, p.kv_len + s.B);
   dp.forward.kv_len = static_cast<const std::int32_t*>(mem.upload(kv_len));
-  dp.forward.causal = p.causal;
   dp.forward.kernel = kernel;
   dp.d_o = blhd_tensor(mem.upload(blhd_bits(g.d_o)), bf, g.d_o.shape);
   const auto out = [&](const std::array<std::int64_t, 4>& shape) {
@@ -392,15 +401,7 @@ TEST_CASE("cuda backward: the gradients' layout and dtype change no bit", "[cuda
   const auto run = [&](input_dtype out, std::int64_t pad, std::int64_t offset) {
     device_memory mem;
     fc::device_backward_problem dp;
-    dp.forward.q = blhd_tensor(mem.upload(blhd_bits(p.q)), bf, p.q.shape);
-    dp.forward.k = blhd_tensor(mem.upload(blhd_bits(p.k)), bf, p.k.shape);
-    dp.forward.v = blhd_tensor(mem.upload(blhd_bits(p.v)), bf, p.v.shape);
-    dp.forward.o = blhd_tensor(mem.upload(blhd_bits(p.o)), bf, p.o.shape);
-    std::vector<float> lse(std::size_t(s.B * s.Hq * s.Lq));
-    for (std::int64_t n = 0; n < std::int64_t(lse.size()); ++n)
-      lse[std::size_t(n)] = p.lse(n / (s.Hq * s.Lq), n / s.Lq % s.Hq, n % s.Lq);
-    dp.forward.lse = {mem.upload(lse), f32, p.lse.shape, {s.Hq * s.Lq, s.Lq, 1}};
-    dp.forward.causal = p.causal;
+    upload_forward(mem, dp, p);
     dp.forward.kernel = kernel;
     dp.d_o = blhd_tensor(mem.upload(blhd_bits(g.d_o)), bf, g.d_o.shape);
     const std::int64_t elem = out == f32 ? 4 : 2;

@@ -157,17 +157,19 @@ struct device_copy {
   }
 };
 
+// The bf16 bits of every element of x, in x's order.
+std::vector<std::uint16_t> to_bits(const xt::xtensor<float, 4>& x) {
+  std::vector<std::uint16_t> out(x.size());
+  for (std::size_t i = 0; i < x.size(); ++i)
+    out[i] = bf16_bits(x.data()[i]);
+  return out;
+}
+
 // The device entry on bf16 data stored [B, L, H, D] with bf16 output [B, L, H, Dv].
 std::vector<float> run_device_entry(const problem_shape& s, const flashref::problem_data& op,
                                     fc::kernel_choice kernel, cudaStream_t stream,
                                     std::vector<float>* lse_out) {
   const flashref::attention_problem p = op.inputs();
-  auto to_bits = [](const xt::xtensor<float, 4>& x) {
-    std::vector<std::uint16_t> out(x.size());
-    for (std::size_t i = 0; i < x.size(); ++i)
-      out[i] = bf16_bits(x.data()[i]);
-    return out;
-  };
   device_copy dc;
   const auto q = to_bits(op.q), k = to_bits(op.k), v = to_bits(op.v);
   fc::device_problem dp;
@@ -262,12 +264,6 @@ TEST_CASE("cuda device entry: O's layout and dtype change no bit of the result",
   flashref::problem_data op = flashref::test::random_problem(s, 33);
   flashref::test::round_inputs(op, input_dtype::bfloat16);
   const flashref::attention_problem p = op.inputs();
-  auto to_bits = [](const xt::xtensor<float, 4>& x) {
-    std::vector<std::uint16_t> out(x.size());
-    for (std::size_t i = 0; i < x.size(); ++i)
-      out[i] = bf16_bits(x.data()[i]);
-    return out;
-  };
   const auto q = to_bits(op.q), k = to_bits(op.k), v = to_bits(op.v);
   const std::int64_t B = s.B, H = s.Hq, L = s.Lq, Dv = s.Dv;
   const auto bf16 = input_dtype::bfloat16, f32 = input_dtype::float32;
