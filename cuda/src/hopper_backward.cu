@@ -99,6 +99,8 @@ __device__ void store_gradient(void* g, const std::int64_t* stride, elem out, ro
     }
     return;
   }
+  // Element by element, written out here rather than through store_fragment_row's own
+  // element-wise branch: with that one the dK, dV kernel at D = 128 spills 4 bytes (ptxas).
   const int c0 = 2 * (t % 4);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
