@@ -5,9 +5,11 @@
 
 #include <cuda_runtime_api.h>
 
+#include <array>
 #include <cstdint>
 #include <cstring>
 #include <string>
+#include <vector>
 
 namespace flashref::test {
 
@@ -29,6 +31,32 @@ inline float from_bf16_bits(std::uint16_t b) {
   float x = 0;
   std::memcpy(&x, &u, sizeof x);
   return x;
+}
+
+// A (B, H, L, X) tensor read back from the bytes `raw` of its device allocation: element
+// (b, h, i, x) at element offset + b s[0] + h s[1] + i s[2] + x s[3], float32 or (f32 false)
+// bf16; returned row-major as float.
+inline std::vector<float> strided_floats(const std::vector<unsigned char>& raw, bool f32,
+                                         std::int64_t offset,
+                                         const std::array<std::int64_t, 4>& shape,
+                                         const std::array<std::int64_t, 4>& s) {
+  std::vector<float> out;
+  for (std::int64_t b = 0; b < shape[0]; ++b)
+    for (std::int64_t h = 0; h < shape[1]; ++h)
+      for (std::int64_t i = 0; i < shape[2]; ++i)
+        for (std::int64_t x = 0; x < shape[3]; ++x) {
+          const std::int64_t at = offset + b * s[0] + h * s[1] + i * s[2] + x * s[3];
+          if (f32) {
+            float v = 0;
+            std::memcpy(&v, raw.data() + at * 4, 4);
+            out.push_back(v);
+          } else {
+            std::uint16_t v = 0;
+            std::memcpy(&v, raw.data() + at * 2, 2);
+            out.push_back(from_bf16_bits(v));
+          }
+        }
+  return out;
 }
 
 }  // namespace flashref::test

@@ -426,22 +426,9 @@ TEST_CASE("cuda backward: the gradients' layout and dtype change no bit", "[cuda
       std::vector<unsigned char> raw(std::size_t(bases[std::size_t(t)].second * elem));
       cuda_check(
           cudaMemcpy(raw.data(), bases[std::size_t(t)].first, raw.size(), cudaMemcpyDeviceToHost));
-      for (std::int64_t b = 0; b < x.shape[0]; ++b)
-        for (std::int64_t h = 0; h < x.shape[1]; ++h)
-          for (std::int64_t i = 0; i < x.shape[2]; ++i)
-            for (std::int64_t c = 0; c < x.shape[3]; ++c) {
-              const std::int64_t at =
-                  offset + b * x.stride[0] + h * x.stride[1] + i * x.stride[2] + c;
-              if (elem == 4) {
-                float v = 0;
-                std::memcpy(&v, raw.data() + at * 4, 4);
-                all.push_back(v);
-              } else {
-                std::uint16_t v = 0;
-                std::memcpy(&v, raw.data() + at * 2, 2);
-                all.push_back(from_bf16_bits(v));
-              }
-            }
+      const std::vector<float> one =
+          flashref::test::strided_floats(raw, elem == 4, offset, x.shape, x.stride);
+      all.insert(all.end(), one.begin(), one.end());
     }
     return all;
   };

@@ -296,23 +296,7 @@ TEST_CASE("cuda device entry: O's layout and dtype change no bit of the result",
     if (lse != nullptr) {
       cuda_check(cudaMemcpy(lse->data(), dp.lse.data, lse->size() * 4, cudaMemcpyDeviceToHost));
     }
-    std::vector<float> o;
-    for (std::int64_t b = 0; b < B; ++b)
-      for (std::int64_t h = 0; h < H; ++h)
-        for (std::int64_t i = 0; i < L; ++i)
-          for (std::int64_t d = 0; d < Dv; ++d) {
-            const std::int64_t at = offset + b * ost[0] + h * ost[1] + i * ost[2] + d * ost[3];
-            if (elem == 4) {
-              float x = 0;
-              std::memcpy(&x, raw.data() + at * 4, 4);
-              o.push_back(x);
-            } else {
-              std::uint16_t x = 0;
-              std::memcpy(&x, raw.data() + at * 2, 2);
-              o.push_back(from_bf16_bits(x));
-            }
-          }
-    return o;
+    return flashref::test::strided_floats(raw, elem == 4, offset, {B, H, L, Dv}, ost);
   };
   const std::vector<float> packed = run(bf16, Dv, 1, 0);      // 16-byte pieces
   const std::vector<float> padded = run(bf16, Dv + 4, 1, 0);  // rows 8-byte aligned only
