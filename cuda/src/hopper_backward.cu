@@ -275,7 +275,7 @@ struct dkdv_pass {
       for (int i = 0; i < 32; ++i) {
         const int nb = i / 4, e = i % 4;
         const bool on = fragment_bit(visible, nb, e);
-        rS[i] = probability(rS[i], on, base[8 * nb + col0 + e % 2], p.scale);
+        rS[i] = probability(rS[i], on, base[8 * nb + col0 + e % 2], p.scale * kLog2e);
       }
       wgmma_wait<0>();
       fence_operands(rdP);
@@ -441,7 +441,7 @@ struct dq_pass {
       for (int i = 0; i < kS; ++i) {
         const int nb = i / 4, e = i % 4;
         const bool on = fragment_bit(visible, nb, e);
-        rS[i] = probability(rS[i], on, base[e / 2], p.scale);
+        rS[i] = probability(rS[i], on, base[e / 2], p.scale * kLog2e);
       }
       wgmma_wait<0>();
       fence_operands(rdP);

@@ -134,12 +134,13 @@ __device__ __forceinline__ row_terms row_terms_of(const backward_params& bp, std
 }
 
 // SPEC §9's elementwise steps for one (row, key) pair, in two halves so that the first can run
-// while dP is still being computed: P = exp(s scale − LSE) from the raw score s, then
+// while dP is still being computed: P = exp(s scale − LSE) from the raw score s, as one FMA
+// s (scale log2 e) − LSE log2 e and one exp2 (scale_log2 = scale · log2 e, formed once), then
 // dS = P (dP − Delta). A masked pair gets P = dS = 0 by selection, never by a product (its
 // score and dP may come from uninitialised keys).
-__device__ __forceinline__ float probability(float s, bool on, float base_log2, float scale) {
+__device__ __forceinline__ float probability(float s, bool on, float base_log2, float scale_log2) {
   float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(fmaf(s * scale, kLog2e, -base_log2)));
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(fmaf(s, scale_log2, -base_log2)));
   return on ? y : 0.f;
 }
 __device__ __forceinline__ float score_gradient(float pij, float dp, bool on, float delta) {

@@ -3,7 +3,8 @@
 // tile the producer hands it:
 //
 //   S = Q K^T          wgmma, both operands in shared memory          (64, kTileK) fp32
-//   mask               tile_mask: scale, and -inf for masked keys in a partial tile
+//   mask               tile_mask: -inf for masked keys in a partial tile (and the scale,
+//                      unless the softmax folds it into its exponent: score_scale)
 //   softmax update     fragment_softmax::step: max, exp_old, P = exp(S - m), sum
 //   rescale            O *= exp_old
 //   O += P V           wgmma, P from registers (bf16 / fp16), V in shared memory
@@ -96,7 +97,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
   constexpr int kS = tiles<kD>::kTileK / 2;  // accumulator floats of S per thread
   constexpr int kO = kD / 2;                 // accumulator floats of O per thread
   const fragment_coords at(consumer);
-  const tile_mask mask{p.mask, w, p.scale};
+  const tile_mask mask{p.mask, w, score_scale(p.scale)};
   fragment_softmax softmax;
   float rO[kO] = {};            // (64, kD) per warpgroup
   std::uint32_t rP[kS / 8][4];  // P of the previous tile as 16-bit A fragments
@@ -110,7 +111,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
   // Tile j's scores to unnormalised probabilities: the partial-tile mask, then the softmax step.
   const auto probabilities = [&](float(&rS)[kS], const stage_info& tile, float(&exp_old)[2]) {
     mask.apply(rS, at, tile.tile, tile.full != 0);
-    softmax.step(rS, exp_old);
+    softmax.step(rS, exp_old, mask.scale);
   };
 
   {  // The first tile: S_0 alone.
@@ -177,7 +178,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
   constexpr int kS = tiles<kD>::kTileK / 2;  // accumulator floats of S per thread
   constexpr int kO = kD / 2;                 // accumulator floats of O per thread
   const fragment_coords at(consumer);
-  const tile_mask mask{p.mask, w, p.scale};
+  const tile_mask mask{p.mask, w, score_scale(p.scale)};
   fragment_softmax softmax;
   float rO[kO] = {};  // (64, kD) per warpgroup
 
@@ -194,7 +195,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
 
     mask.apply(rS, at, info.tile, info.full != 0);
     float exp_old[2];
-    softmax.step(rS, exp_old);
+    softmax.step(rS, exp_old, mask.scale);
     rescale_rows(rO, exp_old);
     std::uint32_t rP[kS / 8][4];  // (64, kTileK) as 16-bit A fragments
     to_a_fragments<T>(rS, rP);

@@ -1,6 +1,7 @@
 #pragma once
 // The mask policy of one key tile, decided once per tile by the producer's classification:
-// a full tile only scales its scores; a partial tile also sets the scores of masked keys to
+// a full tile only scales its scores (by score_scale::pre: nothing with a positive scale, which
+// the softmax folds into its exponent); a partial tile also sets the scores of masked keys to
 // -inf, so that they never enter the exponent arithmetic (exp(-inf - m) = 0 exactly).
 
 #include <cstdint>
@@ -8,6 +9,7 @@
 #include "../common.cuh"
 #include "../launch.hpp"
 #include "scheduler.cuh"
+#include "softmax.cuh"
 #include "tiles.cuh"
 
 namespace flashref::cuda::detail::sm90 {
@@ -28,7 +30,7 @@ struct fragment_coords {
 struct tile_mask {
   const mask_spec& mask;
   const tile_work& w;
-  float scale;
+  score_scale scale;
 
   // s: (64 rows, 2 kN keys) of scores of key tile `tile` (tiles of 2 kN keys), this thread's
   // 2 x kN / 2 of them.
@@ -36,9 +38,10 @@ struct tile_mask {
   __device__ void apply(float (&s)[kN], const fragment_coords& at, std::int64_t tile,
                         bool full) const {
     if (full) {
+      if (scale.folded) return;
 #pragma unroll
       for (int i = 0; i < kN; ++i)
-        s[i] *= scale;
+        s[i] *= scale.pre;
       return;
     }
     // One bit per key this thread holds of each row (bit 2 n8 + c: key 8 n8 + col0 + c),
@@ -55,7 +58,7 @@ struct tile_mask {
     for (int i = 0; i < kN; ++i) {
       const int nb = i / 4, e = i % 4;
       const bool on = fragment_bit(visible, nb, e);
-      s[i] = on ? s[i] * scale : -INFINITY;
+      s[i] = on ? s[i] * scale.pre : -INFINITY;
     }
   }
 

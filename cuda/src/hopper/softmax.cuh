@@ -9,6 +9,11 @@
 //   p = exp(s - exp_base(m))              the reference's prob(), written as one exp2 with the
 //                                         max pre-scaled by log2(e) (the only step not called
 //                                         through the struct); masked keys (-inf) give 0
+//
+// With a positive softmax scale the scores arrive unscaled (score_scale below): the block max
+// of the raw scores times the scale is the max of the scaled scores, bit for bit (rounding is
+// monotonic), and the scale joins the exponent's FMA, so that no separate multiply per score
+// is needed.
 //   row.absorb(sum p)                     this thread's share of the row's sum
 //   row.finalize()                        after the quad's shares are added: (1/s or 0, lse)
 //
@@ -25,13 +30,30 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+// How the scores of a tile meet the softmax scale. With scale > 0 the mask leaves them raw
+// (pre = 1), the softmax multiplies each row's block max by the scale (max) and forms
+// p = 2^(s (scale log2 e) - base log2 e) with one FMA (exp2); any other scale (zero, negative:
+// the max of the raw scores is then not that of the scaled ones, and -inf times it is not
+// -inf) is applied to each score by the mask first (pre = scale, max = 1, exp2 = log2 e).
+struct score_scale {
+  bool folded;
+  float pre, max, exp2;
+
+  __device__ explicit score_scale(float scale)
+      : folded(scale > 0.f),
+        pre(folded ? 1.f : scale),
+        max(folded ? scale : 1.f),
+        exp2(folded ? scale * kLog2e : kLog2e) {}
+};
+
 struct fragment_softmax {
   online_softmax<float> row[2];  // rows row0 and row0 + 8; s is this thread's share
 
-  // s: scaled, masked scores (kN / 4 n8 blocks) -> unnormalised probabilities, in place.
-  // exp_old[r]: the factor by which the caller must rescale row r of its accumulator.
+  // s: masked scores (kN / 4 n8 blocks), scaled by sc.pre -> unnormalised probabilities, in
+  // place. exp_old[r]: the factor by which the caller must rescale row r of its accumulator.
   template <int kN>
-  __device__ __forceinline__ void step(float (&s)[kN], float (&exp_old)[2]) {
+  __device__ __forceinline__ void step(float (&s)[kN], float (&exp_old)[2],
+                                       const score_scale& sc) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float block_max = -INFINITY;
@@ -41,9 +63,10 @@ struct fragment_softmax {
       // The four lanes of a quad hold the row's keys between them.
       block_max = fmaxf(block_max, __shfl_xor_sync(kFullWarp, block_max, 1));
       block_max = fmaxf(block_max, __shfl_xor_sync(kFullWarp, block_max, 2));
-      exp_old[r] = row[r].update_max(block_max);
+      exp_old[r] = row[r].update_max(block_max * sc.max);  // -inf stays -inf: sc.max > 0
       row[r].rescale(exp_old[r]);
-      // p = exp(s - base) = 2^(s log2e - base log2e), base = exp_base(m) (0 while m == -inf).
+      // p = exp(s sc.max - base) = 2^(s sc.exp2 - base log2e), base = exp_base(m) (0 while
+      // m == -inf); a masked key's -inf gives 0.
       const float base_log2 = online_softmax<float>::exp_base(row[r].m) * kLog2e;
       float p_sum = 0.f;
 #pragma unroll
@@ -51,7 +74,7 @@ struct fragment_softmax {
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
           float& x = s[4 * nb + 2 * r + c];
-          x = exp2_approx(fmaf(x, kLog2e, -base_log2));
+          x = exp2_approx(fmaf(x, sc.exp2, -base_log2));
           p_sum += x;
         }
       }
