@@ -62,19 +62,19 @@ __device__ __forceinline__ void product_rs(float (&acc)[kD / 2], const std::uint
   }
 }
 
-// acc (64, kBRows) = A (64 rows of a K-major tile from a_row0) B^T (the kBRows rows of another;
-// 64 or 128).
-template <class T, int kARows, int kBRows, int kD>
-__device__ __forceinline__ void product_ss(float (&acc)[kBRows / 2], const unsigned char* a,
-                                           int a_row0, const unsigned char* b) {
+// acc (64, kN) = A (64 rows of a K-major tile from a_row0) B^T (kN rows of a kBRows-row
+// K-major tile from b_row0; kN 64 or 128).
+template <class T, int kARows, int kBRows, int kN, int kD>
+__device__ __forceinline__ void product_ss(float (&acc)[kN / 2], const unsigned char* a,
+                                           int a_row0, const unsigned char* b, int b_row0 = 0) {
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks) {
     const std::uint64_t da = box_tile<kARows, kD>::k_major(a, a_row0, ks);
-    const std::uint64_t db = box_tile<kBRows, kD>::k_major(b, 0, ks);
-    if constexpr (kBRows == 64) {
+    const std::uint64_t db = box_tile<kBRows, kD>::k_major(b, b_row0, ks);
+    if constexpr (kN == 64) {
       wgmma_ss_n64<T>(acc, da, db, ks > 0 ? 1 : 0);
     } else {
-      static_assert(kBRows == 128, "64 or 128 columns");
+      static_assert(kN == 128, "64 or 128 columns");
       wgmma_ss_n128<T>(acc, da, db, ks > 0 ? 1 : 0);
     }
   }
@@ -251,9 +251,9 @@ struct dkdv_pass {
       // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, issued together; Sᵀ is waited for first.
       float rS[32], rdP[32];
       wgmma_fence();
-      product_ss<T, kBwdKeys, kBwdRows, kD>(rS, smem.resident[0], key_row0, sQ);
+      product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rS, smem.resident[0], key_row0, sQ);
       wgmma_commit();
-      product_ss<T, kBwdKeys, kBwdRows, kD>(rdP, smem.resident[1], key_row0, sdO);
+      product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rdP, smem.resident[1], key_row0, sdO);
       wgmma_commit();
 
       // Bit 2 nb + c of visible[r]: query q0 + col0 + 8 nb + c sees key key_a + 8 r.
@@ -398,12 +398,17 @@ struct dq_pass {
       base[r] = row.base;
       delta[r] = row.delta;
     }
-    float rdQ[kD / 2] = {};        // (64 rows, kD): dQ / scale
-    constexpr int kS = kKeys / 2;  // accumulator floats of S and dP per thread
-    std::uint32_t adS[kS / 8][4];  // dS of the tile whose dQ product is in flight
+    float rdQ[kD / 2] = {};  // (64 rows, kD): dQ / scale
+    // A stage holds kKeys keys; the products take them kSub at a time (at D = 64 a stage's 128
+    // keys as two halves of 64: S, dP, dQ and the dS fragments of 128 keys at once took the
+    // consumers past their 216 registers, and ptxas serialised every wgmma).
+    constexpr int kHalves = kKeys == 128 ? 2 : 1;
+    constexpr int kSub = kKeys / kHalves;
+    constexpr int kS = kSub / 2;   // accumulator floats of S and dP per thread
+    std::uint32_t adS[kS / 8][4];  // dS of the keys whose dQ product is in flight
 
-    // Turn j issues S_j and dP_j behind dQ += dS_{j-1} K_{j-1}, releases stage j - 1 when that
-    // product is done, and leaves dQ += dS_j K_j running into turn j + 1.
+    // Each part issues S and dP behind the previous part's dQ += dS K, waits for that product
+    // (releasing its stage when it was the stage's last part), and leaves its own running.
     int it = 0;
     for (;; ++it) {
       const int s = it % kBwdStages;
@@ -411,52 +416,59 @@ struct dq_pass {
       const bwd_stage_info info = read_stage_slot(bar.info[s]);
       if (info.tile == kNoMoreTiles) break;
       if (it == 0) mbar_wait(&bar.resident, 0);
-
-      // S = Q Kᵀ and dP = dO Vᵀ, issued together.
-      float rS[kS], rdP[kS];
-      wgmma_fence();
-      product_ss<T, kBwdQRows, kKeys, kD>(rS, smem.resident[0], consumer * 64, smem.stage(0, s));
-      wgmma_commit();
-      product_ss<T, kBwdQRows, kKeys, kD>(rdP, smem.resident[1], consumer * 64, smem.stage(1, s));
-      wgmma_commit();
-
-      // Bit 2 nb + c of visible[r]: row q0 + at.row0 + 8 r sees key k0 + at.col0 + 8 nb + c.
-      std::uint32_t visible[2] = {~0u, ~0u};
-      if (info.full == 0) {
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          visible[r] = tile_mask::key_bits<kS / 4>(p.mask, b, h, q0 + at.row0 + 8 * r,
-                                                   std::int64_t(info.tile) * kKeys + at.col0);
+      for (int half = 0; half < kHalves; ++half) {
+        const int sub0 = half * kSub;  // the part's first key in the stage
+        // S = Q Kᵀ and dP = dO Vᵀ, issued together.
+        float rS[kS], rdP[kS];
+        wgmma_fence();
+        product_ss<T, kBwdQRows, kKeys, kSub, kD>(rS, smem.resident[0], consumer * 64,
+                                                  smem.stage(0, s), sub0);
+        wgmma_commit();
+        product_ss<T, kBwdQRows, kKeys, kSub, kD>(rdP, smem.resident[1], consumer * 64,
+                                                  smem.stage(1, s), sub0);
+        wgmma_commit();
+
+        // Bit 2 nb + c of visible[r]: row q0 + at.row0 + 8 r sees key k + at.col0 + 8 nb + c,
+        // k the part's first key.
+        std::uint32_t visible[2] = {~0u, ~0u};
+        if (info.full == 0) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            visible[r] = tile_mask::key_bits<kS / 4>(
+                p.mask, b, h, q0 + at.row0 + 8 * r,
+                std::int64_t(info.tile) * kKeys + sub0 + at.col0);
+          }
         }
-      }
-      if (it > 0) {  // the previous tile's dQ product is done: its stage goes back
-        wgmma_wait<2>();
-        fence_operands(rdQ);
-        fence_fragments(adS);
-        bar.release((it - 1) % kBwdStages);
-      }
-      wgmma_wait<1>();
-      fence_operands(rS);
+        if (it > 0 || half > 0) {  // the previous part's dQ product is done
+          wgmma_wait<2>();
+          fence_operands(rdQ);
+          fence_fragments(adS);
+          if (half == 0) bar.release((it - 1) % kBwdStages);  // it was the stage's last part
+        }
+        wgmma_wait<1>();
+        fence_operands(rS);
 #pragma unroll
-      for (int i = 0; i < kS; ++i) {
-        const int nb = i / 4, e = i % 4;
-        const bool on = fragment_bit(visible, nb, e);
-        rS[i] = probability(rS[i], on, base[e / 2], p.scale * kLog2e);
-      }
-      wgmma_wait<0>();
-      fence_operands(rdP);
+        for (int i = 0; i < kS; ++i) {
+          const int nb = i / 4, e = i % 4;
+          const bool on = fragment_bit(visible, nb, e);
+          rS[i] = probability(rS[i], on, base[e / 2], p.scale * kLog2e);
+        }
+        wgmma_wait<0>();
+        fence_operands(rdP);
 #pragma unroll
-      for (int i = 0; i < kS; ++i) {
-        const int nb = i / 4, e = i % 4;
-        const bool on = fragment_bit(visible, nb, e);
-        rdP[i] = score_gradient(rS[i], rdP[i], on, delta[e / 2]);
-      }
-      to_a_fragments<T>(rdP, adS);
+        for (int i = 0; i < kS; ++i) {
+          const int nb = i / 4, e = i % 4;
+          const bool on = fragment_bit(visible, nb, e);
+          rdP[i] = score_gradient(rS[i], rdP[i], on, delta[e / 2]);
+        }
+        to_a_fragments<T>(rdP, adS);
 
-      // dQ += dS K, left running.
-      wgmma_fence();
-      product_rs<T, kKeys, kD>(rdQ, adS, smem.stage(0, s));
-      wgmma_commit();
+        // dQ += dS K (the part's rows of the stage's K), left running.
+        wgmma_fence();
+        product_rs<T, kKeys, kD>(rdQ, adS, smem.stage(0, s) + sub0 * 128);
+        wgmma_commit();
+      }
     }
     if (it > 0) {
       wgmma_wait<0>();

@@ -30,7 +30,8 @@ inline constexpr int kBwdKeys = 128;   // dK, dV kernel: keys per block (two con
 inline constexpr int kBwdRows = 64;    // dK, dV kernel: query rows per stage
 inline constexpr int kBwdQRows = 128;  // dQ kernel: query rows per block (two consumers of 64)
 // dQ kernel: keys per stage. 64 at D = 128 (dQ, S, dP and dS's fragments: 64 + 32 + 32 + 16
-// registers), 128 at D = 64, where dQ is half as large: twice the work per stage and per wait.
+// registers), 128 at D = 64, where dQ is half as large: twice the work per stage and per wait,
+// the products taking the stage's keys in two halves of 64 (all 128 at once do not fit).
 template <int kD>
 inline constexpr int kBwdQKeysFor = kD == 64 ? 128 : 64;
 inline constexpr int kBwdStages = 3;
