@@ -65,8 +65,8 @@ __device__ __forceinline__ void product_rs(float (&acc)[kD / 2], const std::uint
 // acc (64, kN) = A (64 rows of a K-major tile from a_row0) B^T (kN rows of a kBRows-row
 // K-major tile from b_row0; kN 64 or 128).
 template <class T, int kARows, int kBRows, int kN, int kD>
-__device__ __forceinline__ void product_ss(float (&acc)[kN / 2], const unsigned char* a,
-                                           int a_row0, const unsigned char* b, int b_row0 = 0) {
+__device__ __forceinline__ void product_ss(float (&acc)[kN / 2], const unsigned char* a, int a_row0,
+                                           const unsigned char* b, int b_row0 = 0) {
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks) {
     const std::uint64_t da = box_tile<kARows, kD>::k_major(a, a_row0, ks);
@@ -435,9 +435,9 @@ struct dq_pass {
         if (info.full == 0) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            visible[r] = tile_mask::key_bits<kS / 4>(
-                p.mask, b, h, q0 + at.row0 + 8 * r,
-                std::int64_t(info.tile) * kKeys + sub0 + at.col0);
+            visible[r] =
+                tile_mask::key_bits<kS / 4>(p.mask, b, h, q0 + at.row0 + 8 * r,
+                                            std::int64_t(info.tile) * kKeys + sub0 + at.col0);
           }
         }
         if (it > 0 || half > 0) {  // the previous part's dQ product is done

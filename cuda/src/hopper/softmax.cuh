@@ -52,8 +52,7 @@ struct fragment_softmax {
   // s: masked scores (kN / 4 n8 blocks), scaled by sc.pre -> unnormalised probabilities, in
   // place. exp_old[r]: the factor by which the caller must rescale row r of its accumulator.
   template <int kN>
-  __device__ __forceinline__ void step(float (&s)[kN], float (&exp_old)[2],
-                                       const score_scale& sc) {
+  __device__ __forceinline__ void step(float (&s)[kN], float (&exp_old)[2], const score_scale& sc) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float block_max = -INFINITY;
