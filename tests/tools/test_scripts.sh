@@ -143,6 +143,34 @@ mkdir -p "$work/ab-fail/lib"
 expect "bench-gpu-ab: a failing build fails the comparison" 1 "B round 1: exit 3" \
   -- "$ab" "$work/ab-out2" "$work/ab-a" "$work/ab-fail" --rounds 1
 
+ptx=$root/scripts/check-ptxas-report
+cat >"$work/ptxas-clean.log" <<'LOG'
+ptxas info    : Compiling entry function '_Z6kernelv' for 'sm_90a'
+ptxas info    : Function properties for _Z6kernelv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers
+LOG
+cp "$work/ptxas-clean.log" "$work/ptxas-frame.log"
+cat >>"$work/ptxas-frame.log" <<'LOG'
+ptxas info    : Compiling entry function '_Z4treev' for 'sm_90a'
+ptxas info    : Function properties for _Z4treev
+    64 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+LOG
+cp "$work/ptxas-clean.log" "$work/ptxas-serial.log"
+cat >>"$work/ptxas-serial.log" <<'LOG'
+ptxas info    : (C7512) Potential Performance Loss: wgmma.mma_async instructions are serialized due to insufficient register resources for the function '_Z2dqv'
+LOG
+echo "nothing compiled" >"$work/ptxas-none.log"
+expect "check-ptxas-report: a clean report" 0 "1 functions reported, 0 findings" -- "$ptx" "$work/ptxas-clean.log"
+expect "check-ptxas-report: a stack frame without spills is a finding" 1 \
+  "_Z4treev \(sm_90a\): 64 bytes stack frame, 0 bytes spill stores" -- "$ptx" "$work/ptxas-frame.log"
+expect "check-ptxas-report: serialised wgmma is a finding" 1 "_Z2dqv \(sm_90a\): wgmma serialised" \
+  -- "$ptx" "$work/ptxas-serial.log"
+expect "check-ptxas-report: a log without a report" 2 "expected ptxas resource lines" \
+  -- "$ptx" "$work/ptxas-none.log"
+expect "check-ptxas-report: a missing log" 2 "BUILD_LOG: expected a readable file" \
+  -- "$ptx" "$work/no-such.log"
+
 if [[ $failures -ne 0 ]]; then
   echo "$failures script checks failed"
   exit 1
