@@ -20,7 +20,11 @@ class builder {
   explicit builder(std::vector<catalogue_case>& out) : out_(out) {}
   void add(const std::string& name, const problem_shape& s, std::uint64_t seed,
            bool integer_qk = false, double score_offset = 0.0) {
-    out_.push_back({name, s, seed, integer_qk, score_offset});
+    out_.push_back({name, s, seed, integer_qk, score_offset, std::nullopt});
+  }
+  void add_scaled(const std::string& name, const problem_shape& s, std::uint64_t seed,
+                  double scale) {
+    out_.push_back({name, s, seed, false, 0.0, scale});
   }
 
  private:
@@ -111,6 +115,13 @@ void edge_cases_at(builder& add, std::int64_t d) {
     t.block_q = 8, t.block_k = 24, t.block_density = 0.4;
     add.add("a few queries, many keys, some key chunks empty for some rows", t, 12);
   }
+  for (double scale : {0.0, -0.125, -1.0}) {
+    // Several key tiles, full ones and partial ones on both sides (causal and a window).
+    problem_shape t = s;
+    t.Hq = 2, t.Hk = 1, t.Lq = 200, t.Lk = 300, t.causal = causal_mode::bottom_right;
+    t.window_left = 150;
+    add.add_scaled("softmax scale 0 (uniform over the visible keys) or negative", t, 16, scale);
+  }
 }
 
 }  // namespace
@@ -184,6 +195,7 @@ std::vector<catalogue_case> random_cases(std::uint64_t first_seed, int count) {
 
 problem_data build(const catalogue_case& c, input_dtype dtype) {
   problem_data d = random_problem(c.shape, c.seed);
+  if (c.scale) d.opt.scale = *c.scale;
   if (c.integer_qk) {
     for (auto* x : {&d.q, &d.k})
       for (float& e : *x)

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -23,6 +24,10 @@ struct catalogue_case {
   // The backward: about this much added to every score with P kept spread (offset_scores in
   // backward_check.hpp), so that a recomputation that does not start from the stored LSE shows.
   double score_offset = 0.0;
+  // A softmax scale of the case's own in place of 1/sqrt(D) (SPEC allows any finite one): 0
+  // (every visible key alike) and negative scales, where the largest score is the smallest
+  // product and a kernel that folds the scale into its exponent must not.
+  std::optional<double> scale = std::nullopt;
 };
 
 // Edge cases: zero sizes, lengths around common tile sizes, both causal alignments with more
