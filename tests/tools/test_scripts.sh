@@ -75,6 +75,20 @@ expect "gpu-round with relative paths, every stage passing" 0 "tests: exit 0.*" 
 }
 expect "gpu-round: a failing ncu fails the round" 1 "profile: exit 1" \
   -- env PATH="$base_path" GPU_ROUND_STAGES="tests profile" "$round" "$work/out" "$pack"
+# The profile stage over the head dims asked for: ncu (a stub that prints its arguments) runs
+# once per head dim and length.
+mkdir -p "$work/ncu-ok"
+printf '#!/bin/sh\necho "ncu $*"\n' >"$work/ncu-ok/ncu"
+chmod +x "$work/ncu-ok/ncu"
+expect "gpu-round: the profile stage at two head dims" 0 "profile: exit 0" \
+  -- env PATH="$work/ncu-ok:$base_path" GPU_ROUND_STAGES="profile" GPU_PROFILE_HEAD_DIMS="64 128" \
+  "$round" "$work/out-prof" "$pack"
+for d in 64 128; do
+  grep -q -- "--head-dims $d --masks dense" "$work/out-prof/profile.txt" || {
+    echo "FAIL profile stage: no ncu run at D = $d in $work/out-prof/profile.txt"
+    failures=$((failures + 1))
+  }
+done
 expect "gpu-round: torch without a bench result fails, not skips" 1 "torch comparison: not run" \
   -- env PATH="$base_path" GPU_ROUND_STAGES="torch" "$round" "$work/out2" "$pack"
 stub "$work/failing-smi" nvidia-smi 9 "NVIDIA-SMI has failed"
@@ -138,6 +152,9 @@ expect "bench-gpu-ab: the backward's points in rows of their own" 0 "\\| backwar
   -- "$ab" "$work/ab-out4" "$work/ab-a" "$work/ab-b" --rounds 1 -- --lengths 1024 --backward
 expect "bench-gpu-ab: a NaN at a point is flagged and fails the comparison" 1 "\\| 1.200 \\| B \\|" \
   -- "$ab" "$work/ab-out3" "$work/ab-a" "$work/ab-n" --rounds 1
+expect "bench-gpu-ab: B as a bare flashref executable, run with A's libraries" 0 \
+  "\\| forward \\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 100.0 \\| 110.0 \\| 1.100 \\| none \\|" \
+  -- "$ab" "$work/ab-out5" "$work/ab-a" "$work/ab-b/bin/flashref" --rounds 1 -- --lengths 1024
 stub "$work/ab-fail/bin" flashref 3 "bench-gpu failed"
 mkdir -p "$work/ab-fail/lib"
 expect "bench-gpu-ab: a failing build fails the comparison" 1 "B round 1: exit 3" \
