@@ -9,16 +9,16 @@
 //   p = exp(s - exp_base(m))              the reference's prob(), written as one exp2 with the
 //                                         max pre-scaled by log2(e) (the only step not called
 //                                         through the struct); masked keys (-inf) give 0
-//
-// With a positive softmax scale the scores arrive unscaled (score_scale below): the block max
-// of the raw scores times the scale is the max of the scaled scores, bit for bit (rounding is
-// monotonic), and the scale joins the exponent's FMA, so that no separate multiply per score
-// is needed.
 //   row.absorb(sum p)                     this thread's share of the row's sum
 //   row.finalize()                        after the quad's shares are added: (1/s or 0, lse)
 //
 // The guard is the struct's exp_base(): a row with no visible key so far never forms
 // -inf - (-inf). The mma.sync kernel (tensor_core.cu) takes the same steps.
+//
+// With a positive softmax scale the scores arrive unscaled (score_scale below): the block max
+// of the raw scores times the scale is the max of the scaled scores, bit for bit (rounding is
+// monotonic), and the scale joins the exponent's FMA, so that no separate multiply per score
+// is needed.
 
 #include "../common.cuh"
 
