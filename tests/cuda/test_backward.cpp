@@ -249,12 +249,11 @@ TEST_CASE("cuda backward is bitwise deterministic from run to run", "[cuda][back
   }
 }
 
-TEST_CASE("cuda backward: dQ over many key tiles, summed in turns, is exact and repeatable",
+TEST_CASE("cuda backward: dQ over many key tiles is exact and repeatable",
           "[cuda][backward][big]") {
-  // The Hopper backward at D = 128 adds each key tile's dS K to a query tile's float32 sums in
-  // turns, the key tiles that see the query tile in ascending order: 15 key tiles of 128 here,
-  // where the first one a query tile sees moves with the window, kv_len cuts a tile, and the
-  // small mask blocks leave holes between the tiles a query tile sees.
+  // 15 key tiles of 128 (the Hopper kernels' tile): the first one a query tile sees moves with
+  // the window, kv_len cuts a tile, the small mask blocks leave holes between the tiles a query
+  // tile sees; dQ sums over all of them and must come out the same bits twice.
   problem_shape s;
   s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 700, s.Lk = 1900, s.D = s.Dv = 128;
   const int shape = GENERATE(0, 1, 2);
@@ -264,7 +263,7 @@ TEST_CASE("cuda backward: dQ over many key tiles, summed in turns, is exact and 
   s.block_density = shape == 2 ? 0.5 : s.block_density;
   for (const fc::kernel_choice kernel : half_backward_kernels()) {
     CAPTURE(s.describe(), name_of(kernel));
-    problem_data d = flashref::test::build({"dQ in turns", s, 72}, input_dtype::bfloat16);
+    problem_data d = flashref::test::build({"many key tiles", s, 72}, input_dtype::bfloat16);
     fc::attention(d.problem());
     flashref::test::add_upstream_gradient(d, 72);
     fc::attention_backward(d.problem(), d.gradients(), kernel);
@@ -336,13 +335,17 @@ void upload_forward(device_memory& mem, fc::device_backward_problem& dp,
 
 }  // namespace
 
-namespace {
-
-// The device entry on `s` (bf16 in and out, [B, L, H, D], a stream; the caller's workspace or
-// the entry's own), judged against the golden gradients. Returns the workspace it needed.
-std::size_t check_device_entry(const problem_shape& s, fc::kernel_choice kernel,
-                               bool caller_workspace, bool deterministic) {
-  CAPTURE(s.describe(), caller_workspace, name_of(kernel), deterministic);
+TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, a workspace",
+          "[cuda][backward][race]") {
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 200, s.Lk = 333, s.D = s.Dv = GENERATE(64, 128);
+  s.causal = causal_mode::bottom_right, s.use_kv_len = true;
+  // The caller's workspace, or none: the entry then allocates it on the stream.
+  const bool caller_workspace = GENERATE(true, false);
+  const fc::kernel_choice kernel =
+      GENERATE(fc::kernel_choice::tensor_core, fc::kernel_choice::hopper);
+  if (kernel == fc::kernel_choice::hopper && !hopper_backward_device()) return;
+  CAPTURE(s.describe(), caller_workspace, name_of(kernel));
   problem_data d = flashref::test::build({"device entry", s, 72}, input_dtype::bfloat16);
   fc::attention(d.problem());  // O, LSE in float32 on the host
   flashref::test::add_upstream_gradient(d, 72);
@@ -362,26 +365,8 @@ std::size_t check_device_entry(const problem_shape& s, fc::kernel_choice kernel,
   fc::device_backward_problem dp;
   const input_dtype bf = input_dtype::bfloat16;
   upload_forward(mem, dp, p);
-  if (p.kv_len != nullptr) {
-    std::vector<std::int32_t> kv_len(p.kv_len, p.kv_len + s.B);
-    dp.forward.kv_len = static_cast<const std::int32_t*>(mem.upload(kv_len));
-  }
-  dp.forward.window_left = p.window_left;
-  dp.forward.window_right = p.window_right;
-  if (p.has_block_mask()) {  // a dense copy on the device
-    const auto& bm = p.block_mask;
-    std::vector<std::uint8_t> mask;
-    for (std::int64_t b = 0; b < bm.shape[0]; ++b)
-      for (std::int64_t h = 0; h < bm.shape[1]; ++h)
-        for (std::int64_t i = 0; i < bm.shape[2]; ++i)
-          for (std::int64_t j = 0; j < bm.shape[3]; ++j)
-            mask.push_back(bm(b, h, i, j));
-    const std::array<std::int64_t, 4> stride{bm.shape[1] * bm.shape[2] * bm.shape[3],
-                                             bm.shape[2] * bm.shape[3], bm.shape[3], 1};
-    dp.forward.block_mask = {static_cast<const std::uint8_t*>(mem.upload(mask)), bm.shape, stride};
-    dp.forward.block_q = p.block_q;
-    dp.forward.block_k = p.block_k;
-  }
+  std::vector<std::int32_t> kv_len(p.kv_len, p.kv_len + s.B);
+  dp.forward.kv_len = static_cast<const std::int32_t*>(mem.upload(kv_len));
   dp.forward.kernel = kernel;
   dp.d_o = blhd_tensor(mem.upload(blhd_bits(g.d_o)), bf, g.d_o.shape);
   const auto out = [&](const std::array<std::int64_t, 4>& shape) {
@@ -391,10 +376,8 @@ std::size_t check_device_entry(const problem_shape& s, fc::kernel_choice kernel,
   dp.d_q = out(g.dq.shape);
   dp.d_k = out(g.dk.shape);
   dp.d_v = out(g.dv.shape);
-  dp.deterministic = deterministic;
-  const std::size_t workspace = fc::backward_workspace_bytes(dp);
   if (caller_workspace) {
-    dp.workspace_bytes = workspace;
+    dp.workspace_bytes = fc::backward_workspace_bytes(dp);
     dp.workspace = mem.alloc(dp.workspace_bytes);
   }
   REQUIRE(std::string(fc::backward_kernel_for(dp)) == name_of(kernel));
@@ -419,46 +402,6 @@ std::size_t check_device_entry(const problem_shape& s, fc::kernel_choice kernel,
   fetch(dp.d_v, g.dv);
   FLASHREF_REQUIRE_GRADIENTS_CONFORM(
       flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
-  return workspace;
-}
-
-}  // namespace
-
-TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, a workspace",
-          "[cuda][backward][race]") {
-  problem_shape s;
-  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 200, s.Lk = 333, s.D = s.Dv = GENERATE(64, 128);
-  s.causal = causal_mode::bottom_right, s.use_kv_len = true;
-  // The caller's workspace, or none: the entry then allocates it on the stream.
-  const bool caller_workspace = GENERATE(true, false);
-  const fc::kernel_choice kernel =
-      GENERATE(fc::kernel_choice::tensor_core, fc::kernel_choice::hopper);
-  if (kernel == fc::kernel_choice::hopper && !hopper_backward_device()) return;
-  // Not deterministic: below the lengths where the hopper kernel forms dQ beside dK and dV,
-  // the same kernels (and the same workspace) run.
-  const bool deterministic = GENERATE(true, false);
-  REQUIRE(check_device_entry(s, kernel, caller_workspace, deterministic) > 0);
-}
-
-TEST_CASE("cuda backward: the non-deterministic hopper dQ, beside dK and dV",
-          "[cuda][backward][race]") {
-  if (!hopper_backward_device()) return;
-  // Long enough for the hopper kernel at D = 128 to form dQ beside dK and dV (Lk >= 4096; 16384
-  // with a block mask); kv_len cuts a block's keys (its K rows past kv_len zeroed), GQA, the
-  // window moving the first key tile each query tile sees.
-  problem_shape s;
-  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 130, s.D = s.Dv = 128;
-  const int shape = GENERATE(0, 1, 2);
-  if (shape == 0) s.Lk = 4100, s.causal = causal_mode::bottom_right, s.use_kv_len = true;
-  if (shape == 1) s.Lk = 4500, s.window_left = 2000, s.window_right = 100;
-  if (shape == 2) s.B = 1, s.Lk = 16400, s.block_q = 64, s.block_k = 96, s.block_density = 0.3;
-  const bool caller_workspace = shape != 1;  // the entry's own workspace once
-  const std::size_t ws_sums =
-      check_device_entry(s, fc::kernel_choice::hopper, caller_workspace, false);
-  const std::size_t ws_pass =
-      check_device_entry(s, fc::kernel_choice::hopper, caller_workspace, true);
-  // The float32 sums (B x Hq x 192 rows x 128 floats) are what the workspace gained.
-  REQUIRE(ws_sums == ws_pass + std::size_t(s.B * s.Hq * 192 * 128) * sizeof(float));
 }
 
 // The gradients' layout decides how they are stored (16-byte pieces of whole columns where

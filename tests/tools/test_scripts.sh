@@ -187,21 +187,6 @@ expect "check-ptxas-report: a log without a report" 2 "expected ptxas resource l
   -- "$ptx" "$work/ptxas-none.log"
 expect "check-ptxas-report: a missing log" 2 "BUILD_LOG: expected a readable file" \
   -- "$ptx" "$work/no-such.log"
-printf '# known\n\ntree  64  measured with it\n' >"$work/known.txt"
-printf 'tree  32  measured with it\n' >"$work/known-small.txt"
-printf 'tree sixty-four\n' >"$work/known-bad.txt"
-expect "check-ptxas-report: a known frame is accepted and named" 0 \
-  "0 findings, 1 known" \
-  -- "$ptx" --known "$work/known.txt" "$work/ptxas-frame.log"
-expect "check-ptxas-report: a frame larger than the known one stays a finding" 1 \
-  "^_Z4treev \(sm_90a\): 64 bytes stack frame" \
-  -- "$ptx" --known "$work/known-small.txt" "$work/ptxas-frame.log"
-expect "check-ptxas-report: serialised wgmma is never known" 1 "_Z2dqv \(sm_90a\): wgmma serialised" \
-  -- "$ptx" --known "$work/known.txt" "$work/ptxas-serial.log"
-expect "check-ptxas-report: a bad line of the known file" 2 "known-bad.txt:1: expected 'PATTERN BYTES REASON'" \
-  -- "$ptx" --known "$work/known-bad.txt" "$work/ptxas-clean.log"
-expect "check-ptxas-report: the project's known file reads" 0 "1 functions reported, 0 findings" \
-  -- "$ptx" --known "$root/cuda/ptxas-known.txt" "$work/ptxas-clean.log"
 
 if [[ $failures -ne 0 ]]; then
   echo "$failures script checks failed"
