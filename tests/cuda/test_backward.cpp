@@ -259,8 +259,9 @@ TEST_CASE("cuda backward: dQ over many key tiles is exact and repeatable",
   const int shape = GENERATE(0, 1, 2);
   if (shape == 0) s.window_left = 300, s.window_right = 40, s.use_kv_len = true;
   if (shape == 1) s.block_q = 32, s.block_k = 48, s.block_density = 0.3;
-  if (shape == 2) s.causal = causal_mode::bottom_right, s.block_q = 128, s.block_k = 128;
-  s.block_density = shape == 2 ? 0.5 : s.block_density;
+  if (shape == 2) {
+    s.causal = causal_mode::bottom_right, s.block_q = 128, s.block_k = 128, s.block_density = 0.5;
+  }
   for (const fc::kernel_choice kernel : half_backward_kernels()) {
     CAPTURE(s.describe(), name_of(kernel));
     problem_data d = flashref::test::build({"many key tiles", s, 72}, input_dtype::bfloat16);
