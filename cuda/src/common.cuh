@@ -121,6 +121,38 @@ struct tile_walker {
   }
 };
 
+// tile_walker for a mask without a block mask (causal, window and kv_len alone), in a few
+// registers: the tiles and classes of mask_spec::key_tiles (every tile holding a visible key,
+// with classify()'s class: tests/reference holds it to that; tile_walker also visits the
+// tiles without one that classify() conservatively keeps, which change no bit of a result),
+// kept in 32 bits (the Hopper kernel's tensor maps already require L < 2^31).
+template <int kTileK>
+struct range_walker {
+  int key_end;  // min(Lk, kv_len[b]), as tile_walker's
+  int full_begin, full_end;
+  int tile, tile_end;
+
+  __device__ range_walker(const mask_spec& m, std::int64_t b, std::int64_t /*h*/, std::int64_t q0,
+                          std::int64_t q1) {
+    std::int64_t end = m.len_k;
+    if (m.kv_len != nullptr && m.kv_len[b] < end) end = m.kv_len[b];
+    key_end = static_cast<int>(end);
+    const mask_spec::tile_span span = m.key_tiles(b, q0, q1, kTileK);
+    tile = static_cast<int>(span.tile_begin);
+    tile_end = static_cast<int>(span.tile_end);
+    full_begin = static_cast<int>(span.full_begin);
+    full_end = static_cast<int>(span.full_end);
+  }
+
+  __device__ bool next(std::int64_t& t, bool& is_full) {
+    if (tile >= tile_end) return false;
+    const int k0 = tile * kTileK;
+    t = tile++;
+    is_full = k0 >= full_begin && k0 + kTileK <= full_end;  // mask_spec::tile_full
+    return true;
+  }
+};
+
 // The query tiles [q0, q0 + kTileQ) of query heads [h_begin, h_end) (one GQA group) that hold
 // a query seeing one of the keys [k0, k1), head by head, each head's tiles in ascending order:
 // tile_walker read column-wise, for the backward's dK, dV pass (FlexAttention's q_indices /

@@ -1,14 +1,15 @@
 // The Hopper forward kernel (sm_90a; bf16 / fp16 inputs, fp32 accumulation), in the design of
 // FlashAttention-3 (Shah et al. 2024): warp specialisation with TMA loads and wgmma.
 //
-// A block of three warpgroups computes 128 query rows of one (batch, head) at a time, one
-// work item after another (persistent: one block per SM; scheduler.cuh):
+// A block of three or four warpgroups computes 128 or 192 query rows of one (batch, head) at a
+// time, one work item after another (persistent: one block per SM; scheduler.cuh):
 //   warpgroup 0  producer (producer.cuh): one warp walks the visible key tiles and loads Q once
 //                per item and K, V per tile with TMA into a ring of stages (mbarrier full /
 //                empty) that runs on across items, so the next item's loads overlap the
 //                current one's last products and epilogue;
-//   warpgroups 1, 2  consumers (consumer.cuh), 64 rows each: S = Q K^T, mask, online softmax,
-//                O += P V with P in registers, then the epilogue (epilogue.cuh).
+//   warpgroups 1 .. kC  consumers (consumer.cuh), 64 rows each: S = Q K^T, mask, online
+//                softmax, O += P V with P in registers, then the epilogue (epilogue.cuh).
+//                Two consumers, or three at D = 64 (tiles.cuh's block_shape says when).
 // setmaxnreg moves registers from the producer to the consumers. Tiles and barriers:
 // tiles.cuh; the order of query tiles: scheduler.cuh; PTX wrappers: sm90.cuh, wgmma.cuh.
 //
@@ -40,14 +41,15 @@ struct hopper_params {
   std::uint32_t* work_counter;  // zero at launch (scheduler.cuh), or null: a fixed stride
 };
 
-template <class T, int kD>
-__global__ void __launch_bounds__(sm90::kThreads, 1)
+template <class T, int kD, int kC>
+__global__ void __launch_bounds__(sm90::block_shape<kC>::kThreads, 1)
     hopper_kernel(const __grid_constant__ hopper_params hp) {
 #if FLASHREF_SM90A
   using namespace sm90;
+  using shape = block_shape<kC>;
   extern __shared__ __align__(1024) unsigned char s_raw[];
-  __shared__ barriers<tiles<kD>::kStages> bar;
-  const shared_tiles<kD> smem(s_raw);
+  __shared__ barriers<tiles<kD, kC>::kStages, kC> bar;
+  const shared_tiles<kD, kC> smem(s_raw);
   const int warpgroup = static_cast<int>(threadIdx.x) / 128;
   if (threadIdx.x == 0) {
     bar.init();
@@ -57,11 +59,11 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
   }
   __syncthreads();
   if (warpgroup == 0) {
-    setmaxnreg_dec<kProducerRegs>();
-    if (threadIdx.x < 32) produce<T, kD>(hp, s_raw, bar);
+    setmaxnreg_dec<shape::kProducerRegs>();
+    if (threadIdx.x < 32) produce<T, kD, kC>(hp, s_raw, bar);
   } else {
-    setmaxnreg_inc<kConsumerRegs>();
-    consume<T, kD>(hp.p, warpgroup - 1, smem, bar);
+    setmaxnreg_inc<shape::kConsumerRegs>();
+    consume<T, kD, kC>(hp.p, warpgroup - 1, smem, bar);
   }
 #else
   (void)hp;
@@ -69,25 +71,26 @@ __global__ void __launch_bounds__(sm90::kThreads, 1)
 #endif
 }
 
-template <class T, int kD>
+template <class T, int kD, int kC>
 cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_counter, int sm_count,
                    cudaStream_t stream) {
+  using t = sm90::tiles<kD, kC>;
   hopper_params hp{};
   hp.p = p;
   hp.work_counter = work_counter;
   cudaError_t e = sm90::make_map(&hp.maps.q, p.q, input, p.batch, p.heads_q, p.len_q, kD,
-                                 p.q_stride, sm90::kTileQ);
+                                 p.q_stride, t::kTileQ);
   if (e == cudaSuccess) {
     e = sm90::make_map(&hp.maps.k, p.k, input, p.batch, p.heads_k, p.len_k, kD, p.k_stride,
-                       sm90::tiles<kD>::kTileK);
+                       t::kTileK);
   }
   if (e == cudaSuccess) {
     e = sm90::make_map(&hp.maps.v, p.v, input, p.batch, p.heads_k, p.len_k, kD, p.v_stride,
-                       sm90::tiles<kD>::kTileK);
+                       t::kTileK);
   }
   if (e != cudaSuccess) return e;
-  constexpr int kSmem = sm90::tiles<kD>::kSmemBytes;
-  e = cudaFuncSetAttribute(hopper_kernel<T, kD>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+  constexpr int kSmem = t::kSmemBytes;
+  e = cudaFuncSetAttribute(hopper_kernel<T, kD, kC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                            kSmem);
   if (e != cudaSuccess) return e;
   if (work_counter != nullptr) {
@@ -97,28 +100,42 @@ cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_count
   // Persistent: one block per SM (the shared memory allows no second), or fewer for a small
   // problem.
   // Work items are numbered in 32 bits: 2^31 of them would need Q of at least 2^45 bytes.
-  const std::int64_t items = sm90::work_items(p);
+  const std::int64_t items = sm90::work_items<t::kTileQ>(p);
   if (items > std::int64_t(INT32_MAX)) return cudaErrorInvalidValue;
   const std::int64_t blocks = items < sm_count ? items : sm_count;
-  hopper_kernel<T, kD><<<static_cast<unsigned>(blocks), sm90::kThreads, kSmem, stream>>>(hp);
+  hopper_kernel<T, kD, kC>
+      <<<static_cast<unsigned>(blocks), sm90::block_shape<kC>::kThreads, kSmem, stream>>>(hp);
   return cudaGetLastError();
 }
 
 }  // namespace
 
+int hopper_consumers(const kernel_params& p) {
+  if (p.head_dim != 64 || p.mask.block_mask != nullptr) return 2;
+  // A causal mask over at most 1024 queries: the diagonal's masked work grows with the taller
+  // tile more than the third warpgroup gains (measured 8-9 % slower at Lq = 512 and 1024, 4 %
+  // faster at 2048; cuda/NOTES.md, h8).
+  if (p.mask.causal != causal_mode::none && p.len_q <= 1024) return 2;
+  return 3;
+}
+
 cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
                           int sm_count, cudaStream_t stream) {
   const bool half = input == elem::f16;
   if (p.head_dim == 64) {
-    return half ? launch<__half, 64>(p, input, work_counter, sm_count, stream)
-                : launch<__nv_bfloat16, 64>(p, input, work_counter, sm_count, stream);
+    if (hopper_consumers(p) == 3) {
+      return half ? launch<__half, 64, 3>(p, input, work_counter, sm_count, stream)
+                  : launch<__nv_bfloat16, 64, 3>(p, input, work_counter, sm_count, stream);
+    }
+    return half ? launch<__half, 64, 2>(p, input, work_counter, sm_count, stream)
+                : launch<__nv_bfloat16, 64, 2>(p, input, work_counter, sm_count, stream);
   }
   if (p.head_dim == 256) {
-    return half ? launch<__half, 256>(p, input, work_counter, sm_count, stream)
-                : launch<__nv_bfloat16, 256>(p, input, work_counter, sm_count, stream);
+    return half ? launch<__half, 256, 2>(p, input, work_counter, sm_count, stream)
+                : launch<__nv_bfloat16, 256, 2>(p, input, work_counter, sm_count, stream);
   }
-  return half ? launch<__half, 128>(p, input, work_counter, sm_count, stream)
-              : launch<__nv_bfloat16, 128>(p, input, work_counter, sm_count, stream);
+  return half ? launch<__half, 128, 2>(p, input, work_counter, sm_count, stream)
+              : launch<__nv_bfloat16, 128, 2>(p, input, work_counter, sm_count, stream);
 }
 
 }  // namespace flashref::cuda::detail

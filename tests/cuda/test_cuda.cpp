@@ -133,6 +133,33 @@ TEST_CASE("cuda: random problems on every kernel", "[cuda][random]") {
   }
 }
 
+// At D = 64 without a block mask the Hopper kernel's blocks take 192 query rows (three
+// consumer warpgroups; two, 128 rows, for a causal mask over at most 1024 queries): the
+// catalogue's shapes are mostly shorter, so these cases are long enough for that block, with
+// query lengths no multiple of 192, every mask it takes, GQA and both output dtypes.
+TEST_CASE("cuda: the Hopper kernel's 192-row blocks at D = 64", "[cuda]") {
+  if (!hopper_device()) return;
+  const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float16);
+  std::vector<catalogue_case> cases;
+  const auto add = [&](const char* name, std::int64_t lq, std::int64_t lk, causal_mode causal,
+                       std::int64_t wl, std::int64_t wr, bool kv_len) {
+    catalogue_case c;
+    c.name = name;
+    c.shape.B = 2, c.shape.Hq = 2, c.shape.Hk = 1, c.shape.D = c.shape.Dv = 64;
+    c.shape.Lq = lq, c.shape.Lk = lk, c.shape.causal = causal;
+    c.shape.window_left = wl, c.shape.window_right = wr, c.shape.use_kv_len = kv_len;
+    c.seed = static_cast<std::uint64_t>(lq * 7 + lk);
+    cases.push_back(c);
+  };
+  add("dense, the last block of 80 rows", 1040, 1300, causal_mode::none, -1, -1, false);
+  add("causal bottom-right, more keys", 2000, 2100, causal_mode::bottom_right, -1, -1, false);
+  add("causal top-left with kv_len", 1500, 1100, causal_mode::top_left, -1, -1, true);
+  add("window (200, 50) with kv_len", 1000, 1000, causal_mode::none, 200, 50, true);
+  add("one-sided window, fewer keys", 700, 450, causal_mode::none, 0, 130, false);
+  for (const catalogue_case& c : cases)
+    flashref::test::check_case(c, dtype, host_entry(fc::kernel_choice::hopper));
+}
+
 namespace {
 
 // Device copies of a host problem for the device entry, in `input` element type.

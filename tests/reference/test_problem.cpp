@@ -177,3 +177,45 @@ TEST_CASE("mask_spec classifies tiles exactly where it claims to", "[mask]") {
           if (c == flashref::tile_class::full) REQUIRE(vis == (q1 - q0) * (k1 - k0));
         }
 }
+
+TEST_CASE("mask_spec::key_tiles names the tiles that hold a visible key, and the full ones",
+          "[mask]") {
+  // The Hopper kernel's walk over a mask without a block mask takes this span instead of
+  // classifying every tile: it must visit every tile that holds a visible key, with
+  // classify()'s class.
+  const std::uint64_t seed = GENERATE(range(0, 40));
+  problem_shape s = flashref::test::random_shape(seed);
+  s.Lq = std::max<std::int64_t>(s.Lq, 1), s.Lk = std::max<std::int64_t>(s.Lk, 1);
+  s.block_q = s.block_k = 0;
+  CAPTURE(seed, s.describe());
+  const flashref::problem_data d = flashref::test::random_problem(s, seed);
+  const flashref::mask_spec m = flashref::make_mask_spec(d.inputs());
+  REQUIRE(m.block_mask == nullptr);
+  for (const std::int64_t tile_q : {1, 5, 64, 192})
+    for (const std::int64_t tile_k : {1, 3, 16, 128})
+      for (std::int64_t b = 0; b < s.B; ++b)
+        for (std::int64_t q0 = 0; q0 < s.Lq; q0 += tile_q) {
+          const std::int64_t q1 = std::min(q0 + tile_q, s.Lq);
+          const flashref::mask_spec::tile_span span = m.key_tiles(b, q0, q1, tile_k);
+          CAPTURE(tile_q, tile_k, b, q0, span.tile_begin, span.tile_end);
+          REQUIRE(span.tile_begin <= span.tile_end);
+          for (std::int64_t t = 0; t * tile_k < s.Lk; ++t) {
+            const std::int64_t k0 = t * tile_k, k1 = std::min(k0 + tile_k, s.Lk);
+            CAPTURE(t);
+            const auto c = m.classify(b, 0, q0, q1, k0, k1);
+            const bool in_span = t >= span.tile_begin && t < span.tile_end;
+            if (in_span) REQUIRE(c != flashref::tile_class::empty);
+            if (!in_span && c != flashref::tile_class::empty) {
+              // classify() is conservative: a tile it keeps that the span skips has no visible
+              // key (every row's interval empty there).
+              for (std::int64_t i = q0; i < q1; ++i)
+                for (std::int64_t j = k0; j < k1; ++j)
+                  REQUIRE_FALSE(m.visible(b, 0, i, j));
+            }
+            // Full as the walkers treat it: classify's full, and no key past len_k.
+            const bool walk_full = c == flashref::tile_class::full && k0 + tile_k <= s.Lk;
+            if (in_span)
+              REQUIRE(flashref::mask_spec::tile_full(span, k0, k0 + tile_k) == walk_full);
+          }
+        }
+}

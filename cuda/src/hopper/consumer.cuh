@@ -29,8 +29,8 @@
 
 namespace flashref::cuda::detail::sm90 {
 
-template <class T, int kD, int kS>
-__device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD>& smem,
+template <class T, int kD, int kC, int kS>
+__device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD, kC>& smem,
                                            int consumer, int stage) {
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks) {
@@ -53,7 +53,7 @@ __device__ __forceinline__ void pv_product(float (&acc)[kD / 2], const std::uint
     wgmma_rs_n128<T>(acc, a, desc_v);
   } else {
     static_assert(kD == 256, "head dims 64, 128, 256");
-    constexpr std::uint64_t kHalf = (2 * tiles<kD>::kKVBoxBytes) >> 4;  // descriptor units
+    constexpr std::uint64_t kHalf = (2 * key_tiles<kD>::kKVBoxBytes) >> 4;  // descriptor units
     wgmma_rs_n128<T>(*reinterpret_cast<float(*)[64]>(&acc[0]), a, desc_v);
     wgmma_rs_n128<T>(*reinterpret_cast<float(*)[64]>(&acc[64]), a, desc_v + kHalf);
   }
@@ -61,9 +61,9 @@ __device__ __forceinline__ void pv_product(float (&acc)[kD / 2], const std::uint
 
 // The stages and the Q tile a consumer warp is done with, and its place in the ring: the
 // stage counter runs on across work items, as the producer's does.
-template <int kStages>
+template <int kStages, int kC>
 struct consumer_ring {
-  barriers<kStages>& bar;
+  barriers<kStages, kC>& bar;
   int it = 0;       // stages consumed so far
   int q_loads = 0;  // Q tiles waited for so far
 
@@ -90,12 +90,13 @@ struct consumer_ring {
 // (wait<1>), and runs tile j's mask and softmax while P_{j-1} V_{j-1} still runs on the tensor
 // cores; only the rescale of O waits for it (wait<0>). Stage j - 1 is released after that.
 // On entry stage ring.it holds the item's first tile (`info`) and Q has arrived.
-template <class T, int kD>
+template <class T, int kD, int kC>
 __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, int consumer,
-                                   const shared_tiles<kD>& smem,
-                                   consumer_ring<tiles<kD>::kStages>& ring, stage_info info) {
-  constexpr int kS = tiles<kD>::kTileK / 2;  // accumulator floats of S per thread
-  constexpr int kO = kD / 2;                 // accumulator floats of O per thread
+                                   const shared_tiles<kD, kC>& smem,
+                                   consumer_ring<tiles<kD, kC>::kStages, kC>& ring,
+                                   stage_info info) {
+  constexpr int kS = tiles<kD, kC>::kTileK / 2;  // accumulator floats of S per thread
+  constexpr int kO = kD / 2;                     // accumulator floats of O per thread
   const fragment_coords at(consumer);
   const tile_mask mask{p.mask, w, score_scale(p.scale)};
   fragment_softmax softmax;
@@ -105,7 +106,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
   // O += P_prev V_prev: issued, committed, not waited for.
   const auto issue_pv = [&](int s) {
 #pragma unroll
-    for (int kk = 0; kk < tiles<kD>::kTileK / 16; ++kk)
+    for (int kk = 0; kk < tiles<kD, kC>::kTileK / 16; ++kk)
       pv_product<T, kD>(rO, rP[kk], smem.v_desc(s, kk));
   };
   // Tile j's scores to unnormalised probabilities: the partial-tile mask, then the softmax step.
@@ -118,7 +119,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     const int s = ring.stage(ring.it);
     float rS[kS];  // (64, kTileK) per warpgroup
     wgmma_fence();
-    qk_product<T, kD>(rS, smem, consumer, s);
+    qk_product<T, kD, kC>(rS, smem, consumer, s);
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rS);
@@ -137,7 +138,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     // S_j = Q K_j^T, then O += P_{j-1} V_{j-1} behind it; wait for S_j alone.
     float rS[kS];
     wgmma_fence();
-    qk_product<T, kD>(rS, smem, consumer, s);
+    qk_product<T, kD, kC>(rS, smem, consumer, s);
     wgmma_commit();
     issue_pv(prev);
     wgmma_commit();
@@ -171,12 +172,12 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
 // One work item, the products in sequence: S_j, its softmax, then P_j V_j, each waited for
 // before the next step (the two consumer warpgroups overlap each other by scheduling). On entry
 // stage ring.it holds the item's first tile (`info`) and Q has arrived.
-template <class T, int kD>
+template <class T, int kD, int kC>
 __device__ void consume_serial(const kernel_params& p, const tile_work& w, int consumer,
-                               const shared_tiles<kD>& smem,
-                               consumer_ring<tiles<kD>::kStages>& ring, stage_info info) {
-  constexpr int kS = tiles<kD>::kTileK / 2;  // accumulator floats of S per thread
-  constexpr int kO = kD / 2;                 // accumulator floats of O per thread
+                               const shared_tiles<kD, kC>& smem,
+                               consumer_ring<tiles<kD, kC>::kStages, kC>& ring, stage_info info) {
+  constexpr int kS = tiles<kD, kC>::kTileK / 2;  // accumulator floats of S per thread
+  constexpr int kO = kD / 2;                     // accumulator floats of O per thread
   const fragment_coords at(consumer);
   const tile_mask mask{p.mask, w, score_scale(p.scale)};
   fragment_softmax softmax;
@@ -188,7 +189,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
     // S = Q K^T
     float rS[kS];  // (64, kTileK) per warpgroup
     wgmma_fence();
-    qk_product<T, kD>(rS, smem, consumer, s);
+    qk_product<T, kD, kC>(rS, smem, consumer, s);
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rS);
@@ -204,7 +205,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
     mbar_wait(&ring.bar.v_full[s], ring.parity(ring.it));
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < tiles<kD>::kTileK / 16; ++kk)
+    for (int kk = 0; kk < tiles<kD, kC>::kTileK / 16; ++kk)
       pv_product<T, kD>(rO, rP[kk], smem.v_desc(s, kk));
     wgmma_commit();
     wgmma_wait<0>();
@@ -222,14 +223,15 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
 // a softmax), in sequence at D = 64, where the overlapped loop measured 10 % slower
 // (cuda/NOTES.md, version h4). An item with no visible key writes (0, -inf) without waiting
 // for Q (none is loaded for it).
-template <class T, int kD>
-__device__ void consume(const kernel_params& p, int consumer, const shared_tiles<kD>& smem,
-                        barriers<tiles<kD>::kStages>& bar) {
-  consumer_ring<tiles<kD>::kStages> ring{bar};
+template <class T, int kD, int kC>
+__device__ void consume(const kernel_params& p, int consumer, const shared_tiles<kD, kC>& smem,
+                        barriers<tiles<kD, kC>::kStages, kC>& bar) {
+  using t = tiles<kD, kC>;
+  consumer_ring<t::kStages, kC> ring{bar};
   for (;;) {
     const stage_info first = ring.next();
     if (first.work == kNoMoreWork) return;
-    const tile_work w = work_tile(p, first.work);
+    const tile_work w = work_tile<t::kTileQ>(p, first.work);
     if (first.tile == kNoMoreTiles) {
       ring.release(ring.stage(ring.it++));
       fragment_softmax none;
@@ -238,10 +240,10 @@ __device__ void consume(const kernel_params& p, int consumer, const shared_tiles
       continue;
     }
     ring.wait_q();
-    if constexpr (tiles<kD>::kOverlap) {
-      consume_overlapped<T, kD>(p, w, consumer, smem, ring, first);
+    if constexpr (t::kOverlap) {
+      consume_overlapped<T, kD, kC>(p, w, consumer, smem, ring, first);
     } else {
-      consume_serial<T, kD>(p, w, consumer, smem, ring, first);
+      consume_serial<T, kD, kC>(p, w, consumer, smem, ring, first);
     }
   }
 }

@@ -5,6 +5,7 @@
 // stage. A query tile with no visible key loads nothing: its first stage closes it at once.
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common.cuh"
 #include "../launch.hpp"
@@ -19,16 +20,20 @@ struct tensor_maps {
   CUtensorMap q, k, v;
 };
 
-// V rows [k0, k0 + tiles<kD>::kTileK) with rows at or past key_end zero-filled, by the 32 lanes of
-// the warp with ordinary loads and stores, in the layout TMA would have written. Used for the tile
-// that straddles kv_len: the keys past it may be uninitialised (a KV cache's padding), and P V
+// V rows [k0, k0 + key_tiles<kD>::kTileK) with rows at or past key_end zero-filled, by the 32 lanes
+// of the warp with ordinary loads and stores, in the layout TMA would have written. Used for the
+// tile that straddles kv_len: the keys past it may be uninitialised (a KV cache's padding), and P V
 // must never multiply a zero probability by a NaN there.
 template <class T, int kD>
 __device__ void load_v_rows_zero_tail(unsigned char* s_v, const kernel_params& p,
                                       const tile_work& w, std::int64_t k0, std::int64_t key_end) {
   constexpr int kChunks = kD / 8;  // 16-byte chunks per row
   const T* gV = static_cast<const T*>(p.v) + w.b * p.v_stride[0] + w.hk * p.v_stride[1];
-  for (int idx = static_cast<int>(threadIdx.x % 32); idx < tiles<kD>::kTileK * kChunks; idx += 32) {
+  // The lane read afresh (volatile): otherwise the compiler hoists this rare loop's per-lane
+  // offsets out of the producer's loops and keeps them live there, past the producer's budget.
+  unsigned lane;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+  for (int idx = static_cast<int>(lane); idx < key_tiles<kD>::kTileK * kChunks; idx += 32) {
     const int row = idx / kChunks;
     const int chunk = idx % kChunks;
     uint4 data = make_uint4(0, 0, 0, 0);
@@ -37,7 +42,7 @@ __device__ void load_v_rows_zero_tail(unsigned char* s_v, const kernel_params& p
     }
     const int box = chunk / 8;
     const int swizzled = (chunk % 8) ^ (row % 8);
-    *reinterpret_cast<uint4*>(s_v + box * tiles<kD>::kKVBoxBytes + row * 128 + swizzled * 16) =
+    *reinterpret_cast<uint4*>(s_v + box * key_tiles<kD>::kKVBoxBytes + row * 128 + swizzled * 16) =
         data;
   }
 }
@@ -53,8 +58,8 @@ struct producer_counts {
 };
 
 // The next free stage, once the consumers have released it.
-template <int kStages>
-__device__ __forceinline__ int next_stage(barriers<kStages>& bar, int it) {
+template <int kStages, int kC>
+__device__ __forceinline__ int next_stage(barriers<kStages, kC>& bar, int it) {
   const int s = it % kStages;
   mbar_wait(&bar.empty[s], ((it / kStages) & 1) ^ 1);
   return s;
@@ -63,8 +68,8 @@ __device__ __forceinline__ int next_stage(barriers<kStages>& bar, int it) {
 // A stage without a tile: it closes work item `work`, or the block's items (kNoMoreWork).
 // Both of the stage's full barriers complete a phase, as for a tile, so that their phases stay
 // in step with the ring's count when the slot is used again (no consumer waits on v_full here).
-template <int kStages>
-__device__ __forceinline__ void close_stage(barriers<kStages>& bar, int it, int work) {
+template <int kStages, int kC>
+__device__ __forceinline__ void close_stage(barriers<kStages, kC>& bar, int it, int work) {
   const int s = next_stage(bar, it);
   if (threadIdx.x % 32 == 0) {
     bar.info[s] = {kNoMoreTiles, 0, work, 0};
@@ -75,19 +80,20 @@ __device__ __forceinline__ void close_stage(barriers<kStages>& bar, int it, int 
 
 // One work item: Q once (after the consumers have read the previous item's Q), then each
 // visible key tile's K and V into the next free stage, then the stage that closes the item.
-// Not inlined: the loop over items then keeps only its counts live across this body, whose
-// registers (the walker's) fit the producer's small budget.
-template <class T, int kD, class Params>
-__device__ __noinline__ producer_counts produce_item(const Params& hp, unsigned char* raw,
-                                                     barriers<tiles<kD>::kStages>& bar, int work,
-                                                     producer_counts n) {
-  using t = tiles<kD>;
+template <class T, int kD, int kC, class Params>
+__device__ __forceinline__ producer_counts produce_item(const Params& hp, unsigned char* raw,
+                                                        barriers<tiles<kD, kC>::kStages, kC>& bar,
+                                                        int work, producer_counts n) {
+  using t = tiles<kD, kC>;
   const kernel_params& p = hp.p;
   const tensor_maps& maps = hp.maps;
-  const shared_tiles<kD> smem(raw);  // rebuilt here: fewer registers live across the call
+  const shared_tiles<kD, kC> smem(raw);  // rebuilt here: fewer registers live across the call
   const bool leader = threadIdx.x % 32 == 0;
-  const tile_work w = work_tile(p, work);
-  tile_walker<t::kTileK> walker(p.mask, w.b, w.h, w.q0, w.q1);
+  const tile_work w = work_tile<t::kTileQ>(p, work);
+  // A block without a block mask (block_shape::kBlockMask) walks a range in fewer registers.
+  using walker_type = std::conditional_t<block_shape<kC>::kBlockMask, tile_walker<t::kTileK>,
+                                         range_walker<t::kTileK>>;
+  walker_type walker(p.mask, w.b, w.h, w.q0, w.q1);
   std::int64_t tile = 0;
   bool full = false;
   bool have = walker.next(tile, full);
@@ -126,16 +132,32 @@ __device__ __noinline__ producer_counts produce_item(const Params& hp, unsigned 
   return n;
 }
 
+// produce_item as a call: the loop over items then keeps only its counts live across the
+// body, whose registers (tile_walker's) fit the two-consumer producer's budget. The range
+// walker's body is inlined instead: at the three-consumer producer's 56 registers the call's
+// own cost spilled.
+template <class T, int kD, int kC, class Params>
+__device__ __noinline__ producer_counts produce_item_call(const Params& hp, unsigned char* raw,
+                                                          barriers<tiles<kD, kC>::kStages, kC>& bar,
+                                                          int work, producer_counts n) {
+  return produce_item<T, kD, kC>(hp, raw, bar, work, n);
+}
+
 // The producer warp's loop over the block's work items; the stage ring and its phases run on
 // across items, and after the last one a stage closes the block's items. Params: p (the
 // problem), maps (tensor_maps) and work_counter (scheduler.cuh's next_work).
-template <class T, int kD, class Params>
-__device__ void produce(const Params& hp, unsigned char* raw, barriers<tiles<kD>::kStages>& bar) {
-  const int items = static_cast<int>(work_items(hp.p));  // < 2^31: launch checks
+template <class T, int kD, int kC, class Params>
+__device__ void produce(const Params& hp, unsigned char* raw,
+                        barriers<tiles<kD, kC>::kStages, kC>& bar) {
+  const int items = static_cast<int>(work_items<tiles<kD, kC>::kTileQ>(hp.p));  // < 2^31
   producer_counts n;
   for (int work = static_cast<int>(blockIdx.x); work < items;
        work = next_work(work, hp.work_counter))
-    n = produce_item<T, kD>(hp, raw, bar, work, n);
+    if constexpr (block_shape<kC>::kBlockMask) {
+      n = produce_item_call<T, kD, kC>(hp, raw, bar, work, n);
+    } else {
+      n = produce_item<T, kD, kC>(hp, raw, bar, work, n);
+    }
   close_stage(bar, n.it, kNoMoreWork);
 }
 

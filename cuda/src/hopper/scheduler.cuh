@@ -19,12 +19,14 @@ struct tile_work {
   int q0, q1;    // query rows [q0, q1) (TMA coordinates are 32-bit: L < 2^31)
 };
 
-// Work items of a problem: query tiles x heads x batches.
+// Work items of a problem: query tiles of kTileQ rows x heads x batches.
+template <int kTileQ>
 __host__ __device__ inline std::int64_t work_items(const kernel_params& p) {
   return (p.len_q + kTileQ - 1) / kTileQ * p.heads_q * p.batch;
 }
 
-// Work item `work` (0 <= work < work_items(p)) as the rows it covers.
+// Work item `work` (0 <= work < work_items<kTileQ>(p)) as the rows it covers.
+template <int kTileQ>
 __device__ __forceinline__ tile_work work_tile(const kernel_params& p, int work) {
   const int len_q = static_cast<int>(p.len_q), heads_q = static_cast<int>(p.heads_q);
   const int tiles_q = (len_q + kTileQ - 1) / kTileQ;

@@ -2,11 +2,11 @@
 // Tile sizes, the shared-memory layout and the barriers of the Hopper kernel, and the wgmma
 // descriptors that address its tiles.
 //
-// One block: 128 query rows (two consumer warpgroups of 64 rows) against key tiles of 128 keys
-// (64 at D = 256, where O alone takes 128 registers per thread). Q (kTileQ, D) is loaded once;
-// K and V (kTileK, D) stream through kStages stages. Every tile
-// is stored as D / 64 boxes of (rows, 64) in the 128-byte swizzle layout (sm90.cuh), one TMA
-// box each.
+// One block: kC consumer warpgroups of 64 query rows each (two, 128 rows; three, 192 rows, at
+// D = 64: block_shape below) against key tiles of 128 keys (64 at D = 256, where O alone takes
+// 128 registers per thread). Q (kTileQ, D) is loaded once; K and V (kTileK, D) stream through
+// kStages stages. Every tile is stored as D / 64 boxes of (rows, 64) in the 128-byte swizzle
+// layout (sm90.cuh), one TMA box each.
 
 #include <cstddef>
 #include <cstdint>
@@ -16,25 +16,42 @@
 
 namespace flashref::cuda::detail::sm90 {
 
-inline constexpr int kTileQ = 128;           // query rows per block
 inline constexpr int kRowsPerConsumer = 64;  // query rows per consumer warpgroup
-inline constexpr int kConsumers = 2;         // consumer warpgroups
+inline constexpr int kConsumers = 2;         // consumer warpgroups of the backward's blocks
 inline constexpr int kThreads = 128 * (1 + kConsumers);
 inline constexpr int kBoxCols = 64;      // 16-bit elements per 128-byte swizzled row
 inline constexpr int kAtomBytes = 1024;  // 8 rows of 128 bytes
 // Registers per thread after setmaxnreg: the producer warpgroup gives, the consumers take from
-// what it gave. The block starts with 65536 / 384 = 168 per thread, so the budget balances when
-// (168 - kProducerRegs) * 128 >= (kConsumerRegs - 168) * 256; otherwise setmaxnreg.inc waits
-// forever.
+// what it gave. A block of three warpgroups starts with 65536 / 384 = 168 per thread, so the
+// budget balances when (168 - kProducerRegs) * 128 >= (kConsumerRegs - 168) * 256; otherwise
+// setmaxnreg.inc waits forever.
 inline constexpr int kLaunchRegs = 168;
-inline constexpr int kProducerRegs = 72;
-inline constexpr int kConsumerRegs = 216;
-static_assert((kLaunchRegs - kProducerRegs) * 128 >=
-                  (kConsumerRegs - kLaunchRegs) * 128 * kConsumers,
-              "the consumers take no more registers than the producer gives");
 
+// The forward's block of kC consumer warpgroups: its query rows, threads and registers. Two
+// consumers (128 rows) at D = 128 and 256, and at D = 64 under a block mask; three (192 rows)
+// at D = 64 without one, where the softmax's instruction stream, not the tensor cores, sets
+// the pace and a third warp per scheduler hides more of it (cuda/NOTES.md). With four
+// warpgroups the block starts at 128 registers per thread: the producer keeps 32, enough for
+// a walk over a range of key tiles (range_walker; a block mask's walker needs more), and each
+// consumer gets 160.
+template <int kC>
+struct block_shape {
+  static_assert(kC == 2 || kC == 3, "two or three consumer warpgroups");
+  static constexpr int kConsumers = kC;
+  static constexpr int kTileQ = kRowsPerConsumer * kC;
+  static constexpr int kThreads = 128 * (1 + kC);
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168 or 128
+  static constexpr bool kBlockMask = kC == 2;  // takes a block mask (three consumers: none)
+  static constexpr int kProducerRegs = kC == 2 ? 72 : 56;
+  static constexpr int kConsumerRegs = kC == 2 ? 216 : 152;
+  static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * 128 * kC,
+                "the consumers take no more registers than the producer gives");
+};
+
+// The key side of a block: K and V tiles and their stages, the same for any number of
+// consumers.
 template <int kD>
-struct tiles {
+struct key_tiles {
   static_assert(kD % kBoxCols == 0, "whole 64-column boxes");
   static constexpr int kBoxes = kD / kBoxCols;
   // The consumers overlap one tile's P V with the next tile's softmax at D = 128 (consumer.cuh);
@@ -45,12 +62,19 @@ struct tiles {
   static constexpr int kTileK = kD == 256 ? 64 : 128;  // keys per tile
   static constexpr bool kOverlap = kD == 128;
   static constexpr int kStages = kD == 256 ? 2 : 3;
-  static constexpr int kQBoxBytes = kTileQ * 128;   // (kTileQ, 64) 16-bit elements
-  static constexpr int kKVBoxBytes = kTileK * 128;  // (kTileK, 64)
-  static constexpr int kQBytes = kBoxes * kQBoxBytes;
+  static constexpr int kKVBoxBytes = kTileK * 128;       // (kTileK, 64)
   static constexpr int kKVBytes = kBoxes * kKVBoxBytes;  // one of K or V, one stage
+};
+
+// The whole block: Q of kC consumers beside the key side.
+template <int kD, int kC>
+struct tiles : key_tiles<kD> {
+  using keys = key_tiles<kD>;
+  static constexpr int kTileQ = block_shape<kC>::kTileQ;
+  static constexpr int kQBoxBytes = kTileQ * 128;  // (kTileQ, 64) 16-bit elements
+  static constexpr int kQBytes = keys::kBoxes * kQBoxBytes;
   // Dynamic shared memory, with room to align the base to an atom.
-  static constexpr int kSmemBytes = kQBytes + 2 * kStages * kKVBytes + kAtomBytes;
+  static constexpr int kSmemBytes = kQBytes + 2 * keys::kStages * keys::kKVBytes + kAtomBytes;
 };
 
 // A (rows, kD) tile at row `row` of head h, batch b of a (D, L, H, B) tensor map: its kD / 64
@@ -101,9 +125,9 @@ __device__ __forceinline__ Info read_stage_slot(const Info& slot) {
 }
 
 // The block's shared memory: tiles in the dynamic part (atom-aligned), barriers beside.
-template <int kD>
+template <int kD, int kC>
 struct shared_tiles {
-  using t = tiles<kD>;
+  using t = tiles<kD, kC>;
   unsigned char* q;  // (kTileQ, kD) as kBoxes boxes
   unsigned char* k;  // (kStages, kTileK, kD)
   unsigned char* v;  // (kStages, kTileK, kD)
@@ -135,7 +159,7 @@ struct shared_tiles {
   }
 };
 
-template <int kStages>
+template <int kStages, int kC>
 struct barriers {
   std::uint64_t q_full;
   std::uint64_t q_empty;  // one arrival per consumer warp: Q of the current item is read
@@ -146,11 +170,11 @@ struct barriers {
 
   __device__ void init() {
     mbar_init(&q_full, 1);
-    mbar_init(&q_empty, 4 * kConsumers);
+    mbar_init(&q_empty, 4 * kC);
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], 1);
       mbar_init(&v_full[s], 1);
-      mbar_init(&empty[s], 4 * kConsumers);
+      mbar_init(&empty[s], 4 * kC);
     }
     mbar_init_fence();
   }

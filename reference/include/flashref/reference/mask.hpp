@@ -85,6 +85,33 @@ struct mask_spec {
     if (!any) return tile_class::empty;
     return (range_full && all) ? tile_class::full : tile_class::partial;
   }
+
+  // For a mask without a block mask (causal, window and kv_len alone): the key tiles of
+  // tile_k keys that hold a visible key for rows [q0, q1) (non-empty), and whether one of them
+  // is full, without classifying each. Every tile between the first row's first key and the
+  // last row's last key holds one (both ends of a row's interval are non-decreasing in the
+  // row), and classify() finds it non-empty with the class tile_full() gives: full when the
+  // last row's interval starts at or before it and the first row's ends at or after it; a
+  // tile running past len_k is never full (first.hi <= len_k). The tiles classify() keeps
+  // beyond these (it is conservative where every row's interval is empty) hold no visible key.
+  struct tile_span {
+    std::int64_t tile_begin, tile_end;  // tiles [tile_begin, tile_end)
+    std::int64_t full_begin, full_end;  // keys every row of [q0, q1) sees
+  };
+  FLASHREF_INLINE tile_span key_tiles(std::int64_t b, std::int64_t q0, std::int64_t q1,
+                                      std::int64_t tile_k) const {
+    const key_range first = row_range(b, q0);
+    const key_range last = row_range(b, q1 - 1);
+    tile_span t;
+    t.tile_begin = first.lo / tile_k;
+    t.tile_end = last.hi > first.lo ? (last.hi + tile_k - 1) / tile_k : t.tile_begin;
+    t.full_begin = last.lo;
+    t.full_end = first.hi;
+    return t;
+  }
+  FLASHREF_INLINE static bool tile_full(const tile_span& t, std::int64_t k0, std::int64_t k1) {
+    return k0 >= t.full_begin && k1 <= t.full_end;
+  }
 };
 
 // The mask of a validated problem, with broadcast block-mask dimensions turned into stride 0.
