@@ -137,7 +137,7 @@ TEST_CASE("cuda: random problems on every kernel", "[cuda][random]") {
 // consumer warpgroups; two, 128 rows, for a causal mask over at most 1024 queries): the
 // catalogue's shapes are mostly shorter, so these cases are long enough for that block, with
 // query lengths no multiple of 192, every mask it takes, GQA and both output dtypes.
-TEST_CASE("cuda: the Hopper kernel's 192-row blocks at D = 64", "[cuda]") {
+TEST_CASE("cuda: the Hopper kernel's 192-row blocks at D = 64", "[cuda][race]") {
   if (!hopper_device()) return;
   const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float16);
   std::vector<catalogue_case> cases;
