@@ -30,10 +30,10 @@ inline constexpr int kLaunchRegs = 168;
 // The forward's block of kC consumer warpgroups: its query rows, threads and registers. Two
 // consumers (128 rows) at D = 128 and 256, and at D = 64 under a block mask; three (192 rows)
 // at D = 64 without one, where the softmax's instruction stream, not the tensor cores, sets
-// the pace and a third warp per scheduler hides more of it (cuda/NOTES.md). With four
-// warpgroups the block starts at 128 registers per thread: the producer keeps 32, enough for
-// a walk over a range of key tiles (range_walker; a block mask's walker needs more), and each
-// consumer gets 160.
+// the pace and a third warp per scheduler hides more of it (cuda/NOTES.md, h8; hopper.cu's
+// hopper_consumers says when). With four warpgroups the block starts at 128 registers per
+// thread: the producer keeps 56, enough for a walk over a range of key tiles (range_walker)
+// but not for tile_walker, and each consumer gets 152.
 template <int kC>
 struct block_shape {
   static_assert(kC == 2 || kC == 3, "two or three consumer warpgroups");
