@@ -108,16 +108,20 @@ cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_count
   return cudaGetLastError();
 }
 
-}  // namespace
-
+// Consumer warpgroups of the block for p: 3 (192 query rows) at D = 64 where the three-consumer
+// block takes the mask (block_shape::kBlockMask: its producer walks no block mask), unless
+// causal over at most 1024 queries; else 2 (128 rows).
 int hopper_consumers(const kernel_params& p) {
-  if (p.head_dim != 64 || p.mask.block_mask != nullptr) return 2;
+  if (p.head_dim != 64) return 2;
+  if (p.mask.block_mask != nullptr && !sm90::block_shape<3>::kBlockMask) return 2;
   // A causal mask over at most 1024 queries: the diagonal's masked work grows with the taller
   // tile more than the third warpgroup gains (measured 8-9 % slower at Lq = 512 and 1024, 4 %
   // faster at 2048; cuda/NOTES.md, h8).
   if (p.mask.causal != causal_mode::none && p.len_q <= 1024) return 2;
   return 3;
 }
+
+}  // namespace
 
 cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
                           int sm_count, cudaStream_t stream) {

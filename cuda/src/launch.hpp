@@ -58,9 +58,6 @@ cudaError_t launch_tensor_core(const kernel_params& p, elem input, cudaStream_t 
 // blocks take work items as they free up, null gives each block a fixed stride of them.
 cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
                           int sm_count, cudaStream_t stream);
-// Consumer warpgroups of the Hopper kernel's block for p: 3 (192 query rows) at D = 64 without
-// a block mask, unless causal over at most 1024 queries; else 2 (128 rows).
-int hopper_consumers(const kernel_params& p);
 
 // The float32-accumulating SIMT kernel: any strides, head dims up to kSimtMaxHeadDim. Gated
 // (p.run_if set), it runs on a grid of one wave whose blocks walk the query tiles, so that the

@@ -41,7 +41,9 @@ struct block_shape {
   static constexpr int kTileQ = kRowsPerConsumer * kC;
   static constexpr int kThreads = 128 * (1 + kC);
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168 or 128
-  static constexpr bool kBlockMask = kC == 2;  // takes a block mask (three consumers: none)
+  // Takes a block mask: its producer walks with tile_walker (the three-consumer producer walks
+  // a range instead; the host sends block masks to the two-consumer block).
+  static constexpr bool kBlockMask = kC == 2;
   static constexpr int kProducerRegs = kC == 2 ? 72 : 56;
   static constexpr int kConsumerRegs = kC == 2 ? 216 : 152;
   static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * 128 * kC,
