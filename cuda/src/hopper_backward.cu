@@ -230,11 +230,13 @@ struct dkdv_pass {
     const backward_params& bp = hp.bp;
     const kernel_params& p = bp.fwd;
     const int t = static_cast<int>(threadIdx.x % 128);
-    const std::int64_t k0 = std::int64_t(blockIdx.x) * kBwdKeys;
-    const std::int64_t hk = blockIdx.y, b = blockIdx.z;
     const int key_row0 = consumer * 64;  // this warpgroup's keys in the block
     // This thread's keys (rows of Sᵀ): key_a and key_a + 8; its query columns i0 + 8 nb + c.
-    const std::int64_t key_a = k0 + key_row0 + (t / 32) * 16 + (t % 32) / 4;
+    // Keys and the batch in 32 bits (TMA coordinates are 32-bit): the loop holds dK, dV, Sᵀ
+    // and dPᵀ, and 64-bit copies of these took the consumers past their registers.
+    const int key_a =
+        static_cast<int>(blockIdx.x) * kBwdKeys + key_row0 + (t / 32) * 16 + (t % 32) / 4;
+    const int b32 = static_cast<int>(blockIdx.z);
     const int col0 = 2 * (t % 4);
     float rdK[kD / 2] = {};  // (64 keys, kD): dK / scale
     float rdV[kD / 2] = {};
@@ -262,7 +264,7 @@ struct dkdv_pass {
       if (info.full == 0) {
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-          visible[r] = query_bits<8>(p.mask, b, info.head, key_a + 8 * r, q0 + col0);
+          visible[r] = query_bits<8>(p.mask, b32, info.head, key_a + 8 * r, q0 + col0);
       }
       const float* base = bar.lse_base[s];
       const float* delta = bar.delta[s];
@@ -302,15 +304,17 @@ struct dkdv_pass {
 
       bar.release(s);
     }
-    const std::int64_t row0 = k0 + key_row0;
-    // At D = 128 element by element: with dK and dV both live, the packed stores' shuffles
-    // push the consumers past their 224 registers (ptxas: 16 bytes spilled inside the loop
-    // above). D = 64 and the dQ kernel take the packed form.
-    const row_store dk_how = kD == 128 ? row_store::elementwise : bp.dk_store;
-    const row_store dv_how = kD == 128 ? row_store::elementwise : bp.dv_store;
-    store_gradient<T, kD>(bp.dk, bp.dk_stride, bp.grad_out, dk_how, b, hk, row0, p.len_k, rdK,
-                          p.scale);
-    store_gradient<T, kD>(bp.dv, bp.dv_stride, bp.grad_out, dv_how, b, hk, row0, p.len_k, rdV, 1.f);
+    // Both gradients in 16-byte stores of whole columns where their rows allow (store.cuh):
+    // element by element, dK and dV at D = 128 wrote 2-byte pieces of 8 rows per warp store,
+    // 4 times the bytes in L2 sectors, and that bound every short block (cuda/NOTES.md, b3.5).
+    // The block's place read afresh (volatile): kept from the kernel's start it would hold
+    // registers across the loop; ids.tid / 128 - 1 is `consumer`.
+    const block_ids ids = read_block_ids();
+    const std::int64_t row0 = std::int64_t(ids.x) * kBwdKeys + (ids.tid / 128 - 1) * 64;
+    store_gradient<T, kD>(bp.dk, bp.dk_stride, bp.grad_out, bp.dk_store, ids.z, ids.y, row0,
+                          p.len_k, rdK, p.scale);
+    store_gradient<T, kD>(bp.dv, bp.dv_stride, bp.grad_out, bp.dv_store, ids.z, ids.y, row0,
+                          p.len_k, rdV, 1.f);
   }
 };
 

@@ -90,6 +90,21 @@ __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// The block's coordinates and the thread's index by volatile moves from the special registers:
+// read where they are needed after a long loop, they hold no register across it (a plain read
+// of blockIdx or threadIdx the compiler may merge with one before the loop and keep live).
+struct block_ids {
+  unsigned x, y, z, tid;
+};
+__device__ __forceinline__ block_ids read_block_ids() {
+  block_ids ids;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(ids.x));
+  asm volatile("mov.u32 %0, %%ctaid.y;\n" : "=r"(ids.y));
+  asm volatile("mov.u32 %0, %%ctaid.z;\n" : "=r"(ids.z));
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(ids.tid));
+  return ids;
+}
+
 // --- wgmma matrix descriptors ----------------------------------------------------------------
 // A tile in shared memory in the 128-byte swizzle layout that TMA writes with
 // CU_TENSOR_MAP_SWIZZLE_128B: rows of 64 16-bit elements (128 bytes), the 16-byte chunk c of
