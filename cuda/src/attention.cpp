@@ -24,14 +24,26 @@ using namespace host;
 
 namespace {
 
+// Does the mask hide some key from some row (causal, a window, kv_len, a block mask)? Only
+// then can a tensor-core kernel's P V carry a NaN or inf of V into a row that must not see it
+// (0 times NaN in a partial tile): without a mask every row sees every key, in the reference
+// too, so a non-finite V reaches each row there as well and the scan has nothing to protect.
+// A window is counted as hiding keys whatever its width.
+bool hides_keys(const mask_spec& m) {
+  return m.causal != causal_mode::none || m.window_left >= 0 || m.window_right >= 0 ||
+         m.kv_len != nullptr || m.block_mask != nullptr;
+}
+
 // Enqueues a validated problem; `mask` carries the problem's mask with kv_len in device memory.
 // With `guard_v`, a tensor-core kernel is followed by the scan of V and the gated SIMT kernel
-// (SPEC §2 for a V that may hold NaN or inf; cuda/NOTES.md). `work_counter`: 4 bytes of device
-// memory for the Hopper kernel's work counter, or null to take them from the stream-ordered pool.
+// where the mask hides keys (SPEC §2 for a V that may hold NaN or inf; cuda/NOTES.md).
+// `work_counter`: 4 bytes of device memory for the Hopper kernel's work counter, or null to take
+// them from the stream-ordered pool.
 void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
              double softmax_scale, cudaStream_t stream, bool guard_v = false,
              std::uint32_t* work_counter = nullptr) {
   if (p.q.shape[0] * p.q.shape[1] * p.q.shape[2] == 0) return;  // nothing to write
+  guard_v = guard_v && hides_keys(mask);
   detail::kernel_params kp = kernel_params_of(p, mask, softmax_scale);
   const detail::elem input = to_elem(p.q.dtype);
   if (guard_v && kernel != kernel_kind::simt && detail::stream_scratch::available()) {

@@ -735,6 +735,42 @@ TEST_CASE("cuda device entry: with V finite the scan leaves the tensor-core resu
   }
 }
 
+TEST_CASE("cuda device entry: the scan of V runs where the mask hides a key, and only there",
+          "[cuda][faults][nan]") {
+  // Without a mask every row sees every key, and the reference takes a NaN or inf of V into
+  // every row: the scan has nothing to protect, the device entry leaves it out and returns the
+  // fast kernel's result bit for bit (a rerun by the SIMT kernel would change the bits). A
+  // window alone, or kv_len alone, hides keys: the scan runs, and no row that does not see a
+  // bad key gets its NaN.
+  enum class mask_kind { none, window, kv_len };
+  const mask_kind m = GENERATE(mask_kind::none, mask_kind::window, mask_kind::kv_len);
+  problem_shape s;
+  s.B = 2, s.Hq = 2, s.Hk = 1, s.Lq = s.Lk = 200, s.D = s.Dv = GENERATE(64, 128);
+  if (m == mask_kind::window) s.window_left = 16, s.window_right = 0;
+  s.use_kv_len = m == mask_kind::kv_len;  // batch entry 0 sees no key
+  CAPTURE(int(m), s.D);
+  flashref::problem_data op = flashref::test::random_problem(s, 68);
+  flashref::test::round_inputs(op, input_dtype::bfloat16);
+  op.v(0, 0, 70, 5) = NAN;
+  op.v(1, 0, 150, 9) = INFINITY;
+  device_copy dc(op);
+  for (const fc::kernel_choice k : kernels_of(dc.dp)) {
+    if (k == fc::kernel_choice::simt) continue;
+    CAPTURE(int(k));
+    dc.dp.kernel = k;
+    dc.dp.v_finite = false;
+    const auto [o, lse] = dc.run();
+    int nonfinite_rows = 0;
+    require_nan_rule(op, o, lse, &nonfinite_rows);
+    if (m != mask_kind::none) continue;
+    CHECK(nonfinite_rows == 2 * 2 * 200);  // every row of both batch entries
+    dc.dp.v_finite = true;
+    const auto [o_fast, lse_fast] = dc.run();
+    REQUIRE(std::memcmp(o.data(), o_fast.data(), o.size() * 4) == 0);
+    REQUIRE(std::memcmp(lse.data(), lse_fast.data(), lse.size() * 4) == 0);
+  }
+}
+
 // Figures for cuda/NOTES.md and docs/reliability.md (hidden: run with "[timing]").
 TEST_CASE("cuda device entry: the cost of the pointer checks and of the scan of V", "[.][timing]") {
   // Pointer checks: 7 pointers (q, k, v, o, lse, block_mask, kv_len), on the host.
