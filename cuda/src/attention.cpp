@@ -35,51 +35,62 @@ bool hides_keys(const mask_spec& m) {
 }
 
 // Enqueues a validated problem; `mask` carries the problem's mask with kv_len in device memory.
-// With `guard_v`, a tensor-core kernel is followed by the scan of V and the gated SIMT kernel
-// where the mask hides keys (SPEC §2 for a V that may hold NaN or inf; cuda/NOTES.md).
-// `work_counter`: 4 bytes of device memory for the Hopper kernel's work counter, or null to take
-// them from the stream-ordered pool.
+// With `guard_v`, where the mask hides keys, a tensor-core kernel is followed by the SIMT kernel
+// gated on flags that say whether V may have leaked a NaN or inf into a row that does not see
+// its key (SPEC §2; cuda/NOTES.md): the Hopper kernel sets them itself from the values it
+// stores, the mma.sync kernel is followed by a scan of V. `work_counter`: 4 bytes of device
+// memory for the Hopper kernel's work counter, or null to take them from the stream-ordered pool.
 void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
              double softmax_scale, cudaStream_t stream, bool guard_v = false,
              std::uint32_t* work_counter = nullptr) {
   if (p.q.shape[0] * p.q.shape[1] * p.q.shape[2] == 0) return;  // nothing to write
-  guard_v = guard_v && hides_keys(mask);
   detail::kernel_params kp = kernel_params_of(p, mask, softmax_scale);
   const detail::elem input = to_elem(p.q.dtype);
-  if (guard_v && kernel != kernel_kind::simt && detail::stream_scratch::available()) {
-    // The fast kernel writes every row; when the scan finds a NaN or inf, the SIMT kernel
-    // writes every row again, a masked key's value never entering a row. All stream-ordered;
-    // the fast kernel is launched first, so that the host work below overlaps it.
-    enqueue(p, kernel, mask, softmax_scale, stream);
-    const dim3 grid = detail::nonfinite_scan_grid(kp, detail::sm_count());
-    const std::size_t flags = std::size_t(grid.x) * grid.y;
-    const detail::stream_scratch scratch("v", flags * sizeof(std::uint32_t), stream);
-    auto* run_if = static_cast<std::uint32_t*>(scratch.get());
-    check(detail::launch_nonfinite_scan(kp, input, grid, run_if, stream), "scan of V launch");
-    kp.run_if = run_if;
-    kp.run_if_count = std::int64_t(flags);
+  const bool pool = detail::stream_scratch::available();
+  guard_v = guard_v && hides_keys(mask) && kernel != kernel_kind::simt;
+  // No stream-ordered pool here for the flags: the SIMT kernel alone.
+  if (guard_v && !pool) kernel = kernel_kind::simt, guard_v = false;
+  // When the gate's flags are set, the SIMT kernel writes every row again, a masked key's value
+  // never entering a row. All stream-ordered.
+  const auto launch_gated_simt = [&](std::uint32_t* flags, std::int64_t count) {
+    kp.run_if = flags;
+    kp.run_if_count = count;
     check(detail::launch_simt(kp, input, stream), "SIMT kernel launch");
-    return;
-  }
-  if (guard_v) kernel = kernel_kind::simt;  // no stream-ordered pool here: the SIMT kernel alone
+  };
   switch (kernel) {
     case kernel_kind::hopper: {
 #if defined(FLASHREF_CUDA_HOPPER)
-      // The counter the persistent blocks take work items from: the caller's, else from the
-      // stream-ordered pool; without either they take them in a fixed stride.
-      std::optional<detail::stream_scratch> counter;
-      if (work_counter == nullptr && detail::stream_scratch::available()) {
-        counter.emplace("work_counter", sizeof(std::uint32_t), stream);
-        work_counter = static_cast<std::uint32_t*>(counter->get());
+      // The counter the persistent blocks take work items from (the caller's, else the first
+      // word of a buffer from the stream-ordered pool; without either they take them in a fixed
+      // stride), then the kernel's flags.
+      const int sms = detail::sm_count();
+      const std::int64_t flags = guard_v ? detail::hopper_flag_count(kp, sms) : 0;
+      std::optional<detail::stream_scratch> scratch;
+      std::uint32_t* flag_words = nullptr;
+      if (pool && (work_counter == nullptr || flags > 0)) {
+        scratch.emplace("work_counter", std::size_t(1 + flags) * sizeof(std::uint32_t), stream);
+        auto* words = static_cast<std::uint32_t*>(scratch->get());
+        if (work_counter == nullptr) work_counter = words;
+        if (flags > 0) flag_words = words + 1;
       }
-      check(detail::launch_hopper(kp, input, work_counter, detail::sm_count(), stream),
+      check(detail::launch_hopper(kp, input, work_counter, flag_words, sms, stream),
             "hopper kernel launch");
+      if (flag_words != nullptr) launch_gated_simt(flag_words, flags);
 #endif
       return;
     }
-    case kernel_kind::tensor_core:
+    case kernel_kind::tensor_core: {
       check(detail::launch_tensor_core(kp, input, stream), "tensor-core kernel launch");
+      if (!guard_v) return;
+      // The scan of V, after the fast kernel so that the host work here overlaps it.
+      const dim3 grid = detail::nonfinite_scan_grid(kp, detail::sm_count());
+      const std::size_t flags = std::size_t(grid.x) * grid.y;
+      const detail::stream_scratch scratch("v", flags * sizeof(std::uint32_t), stream);
+      auto* run_if = static_cast<std::uint32_t*>(scratch.get());
+      check(detail::launch_nonfinite_scan(kp, input, grid, run_if, stream), "scan of V launch");
+      launch_gated_simt(run_if, std::int64_t(flags));
       return;
+    }
     case kernel_kind::simt:
       break;
   }

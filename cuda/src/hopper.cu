@@ -39,6 +39,9 @@ struct hopper_params {
   sm90::tensor_maps maps;
   kernel_params p;
   std::uint32_t* work_counter;  // zero at launch (scheduler.cuh), or null: a fixed stride
+  // Null, or hopper_flag_count words: each consumer warp's "a value of O was NaN or inf"
+  // (consumer.cuh), for the SIMT kernel's gate in place of a scan of V.
+  std::uint32_t* nonfinite_flags;
 };
 
 template <class T, int kD, int kC>
@@ -63,7 +66,7 @@ __global__ void __launch_bounds__(sm90::block_shape<kC>::kThreads, 1)
     if (threadIdx.x < 32) produce<T, kD, kC>(hp, s_raw, bar);
   } else {
     setmaxnreg_inc<shape::kConsumerRegs>();
-    consume<T, kD, kC>(hp.p, warpgroup - 1, smem, bar);
+    consume<T, kD, kC>(hp.p, warpgroup - 1, smem, bar, hp.nonfinite_flags);
   }
 #else
   (void)hp;
@@ -71,13 +74,22 @@ __global__ void __launch_bounds__(sm90::block_shape<kC>::kThreads, 1)
 #endif
 }
 
+// Persistent: one block per SM (the shared memory allows no second), or fewer for a small
+// problem.
+template <int kC>
+std::int64_t blocks_for(const kernel_params& p, int sm_count) {
+  const std::int64_t items = sm90::work_items<sm90::block_shape<kC>::kTileQ>(p);
+  return items < sm_count ? items : sm_count;
+}
+
 template <class T, int kD, int kC>
-cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_counter, int sm_count,
-                   cudaStream_t stream) {
+cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_counter,
+                   std::uint32_t* nonfinite_flags, int sm_count, cudaStream_t stream) {
   using t = sm90::tiles<kD, kC>;
   hopper_params hp{};
   hp.p = p;
   hp.work_counter = work_counter;
+  hp.nonfinite_flags = nonfinite_flags;
   cudaError_t e = sm90::make_map(&hp.maps.q, p.q, input, p.batch, p.heads_q, p.len_q, kD,
                                  p.q_stride, t::kTileQ);
   if (e == cudaSuccess) {
@@ -97,12 +109,10 @@ cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_count
     e = cudaMemsetAsync(work_counter, 0, sizeof(std::uint32_t), stream);
     if (e != cudaSuccess) return e;
   }
-  // Persistent: one block per SM (the shared memory allows no second), or fewer for a small
-  // problem.
   // Work items are numbered in 32 bits: 2^31 of them would need Q of at least 2^45 bytes.
   const std::int64_t items = sm90::work_items<t::kTileQ>(p);
   if (items > std::int64_t(INT32_MAX)) return cudaErrorInvalidValue;
-  const std::int64_t blocks = items < sm_count ? items : sm_count;
+  const std::int64_t blocks = blocks_for<kC>(p, sm_count);
   hopper_kernel<T, kD, kC>
       <<<static_cast<unsigned>(blocks), sm90::block_shape<kC>::kThreads, kSmem, stream>>>(hp);
   return cudaGetLastError();
@@ -123,23 +133,34 @@ int hopper_consumers(const kernel_params& p) {
 
 }  // namespace
 
+std::int64_t hopper_flag_count(const kernel_params& p, int sm_count) {
+  const int consumers = hopper_consumers(p);
+  const std::int64_t blocks =
+      consumers == 3 ? blocks_for<3>(p, sm_count) : blocks_for<2>(p, sm_count);
+  return blocks * 4 * consumers;
+}
+
 cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
-                          int sm_count, cudaStream_t stream) {
+                          std::uint32_t* nonfinite_flags, int sm_count, cudaStream_t stream) {
   const bool half = input == elem::f16;
   if (p.head_dim == 64) {
     if (hopper_consumers(p) == 3) {
-      return half ? launch<__half, 64, 3>(p, input, work_counter, sm_count, stream)
-                  : launch<__nv_bfloat16, 64, 3>(p, input, work_counter, sm_count, stream);
+      return half ? launch<__half, 64, 3>(p, input, work_counter, nonfinite_flags, sm_count, stream)
+                  : launch<__nv_bfloat16, 64, 3>(p, input, work_counter, nonfinite_flags, sm_count,
+                                                 stream);
     }
-    return half ? launch<__half, 64, 2>(p, input, work_counter, sm_count, stream)
-                : launch<__nv_bfloat16, 64, 2>(p, input, work_counter, sm_count, stream);
+    return half ? launch<__half, 64, 2>(p, input, work_counter, nonfinite_flags, sm_count, stream)
+                : launch<__nv_bfloat16, 64, 2>(p, input, work_counter, nonfinite_flags, sm_count,
+                                               stream);
   }
   if (p.head_dim == 256) {
-    return half ? launch<__half, 256, 2>(p, input, work_counter, sm_count, stream)
-                : launch<__nv_bfloat16, 256, 2>(p, input, work_counter, sm_count, stream);
+    return half ? launch<__half, 256, 2>(p, input, work_counter, nonfinite_flags, sm_count, stream)
+                : launch<__nv_bfloat16, 256, 2>(p, input, work_counter, nonfinite_flags, sm_count,
+                                                stream);
   }
-  return half ? launch<__half, 128, 2>(p, input, work_counter, sm_count, stream)
-              : launch<__nv_bfloat16, 128, 2>(p, input, work_counter, sm_count, stream);
+  return half ? launch<__half, 128, 2>(p, input, work_counter, nonfinite_flags, sm_count, stream)
+              : launch<__nv_bfloat16, 128, 2>(p, input, work_counter, nonfinite_flags, sm_count,
+                                              stream);
 }
 
 }  // namespace flashref::cuda::detail

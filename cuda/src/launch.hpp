@@ -56,8 +56,12 @@ cudaError_t launch_tensor_core(const kernel_params& p, elem input, cudaStream_t 
 // launch_tensor_core, on a device of compute capability 9.0 only. Persistent, on at most
 // sm_count blocks; `work_counter` (4 bytes of device memory, zeroed on the stream here) lets
 // blocks take work items as they free up, null gives each block a fixed stride of them.
+// `nonfinite_flags`: null, or hopper_flag_count(p, sm_count) words of device memory, every one
+// written: 1 where a consumer warp stored a NaN or inf in O (or met one in its row sums), else 0
+// — the gate of a SIMT rerun that keeps SPEC §2's rule for a non-finite V without a scan of V.
 cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
-                          int sm_count, cudaStream_t stream);
+                          std::uint32_t* nonfinite_flags, int sm_count, cudaStream_t stream);
+std::int64_t hopper_flag_count(const kernel_params& p, int sm_count);
 
 // The float32-accumulating SIMT kernel: any strides, head dims up to kSimtMaxHeadDim. Gated
 // (p.run_if set), it runs on a grid of one wave whose blocks walk the query tiles, so that the

@@ -74,6 +74,8 @@ struct consumer_ring {
     if (threadIdx.x % 32 == 0) mbar_arrive(&bar.empty[s]);  // this warp is done with stage s
   }
   __device__ void wait_q() { mbar_wait(&bar.q_full, q_loads++ & 1); }
+  // This warp's word of the block's non-finite flags (store_rows).
+  __device__ std::uint32_t& nonfinite_flag() const { return bar.nonfinite[threadIdx.x / 32 - 4]; }
   __device__ void release_q() {
     __syncwarp();
     if (threadIdx.x % 32 == 0) mbar_arrive(&bar.q_empty);  // this warp reads Q no more
@@ -166,7 +168,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
   fence_operands(rO);
   ring.release(last);
   ring.release(ring.stage(ring.it++));
-  store_rows<T>(p, w, at, rO, softmax);
+  store_rows<T>(p, w, at, rO, softmax, ring.nonfinite_flag());
 }
 
 // One work item, the products in sequence: S_j, its softmax, then P_j V_j, each waited for
@@ -215,7 +217,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
   }
   ring.release_q();
   ring.release(ring.stage(ring.it++));  // the stage that closed the item
-  store_rows<T>(p, w, at, rO, softmax);
+  store_rows<T>(p, w, at, rO, softmax, ring.nonfinite_flag());
 }
 
 // A consumer warpgroup's loop over the block's work items, each in the loop for head dim kD:
@@ -223,20 +225,28 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
 // a softmax), in sequence at D = 64, where the overlapped loop measured 10 % slower
 // (cuda/NOTES.md, version h4). An item with no visible key writes (0, -inf) without waiting
 // for Q (none is loaded for it).
+//
+// With `nonfinite_flags` set, each consumer warp writes its word of them when the block's work
+// is done: flags[block * 4 kC + warp] = 1 when a value it stored was NaN or inf, else 0.
 template <class T, int kD, int kC>
 __device__ void consume(const kernel_params& p, int consumer, const shared_tiles<kD, kC>& smem,
-                        barriers<tiles<kD, kC>::kStages, kC>& bar) {
+                        barriers<tiles<kD, kC>::kStages, kC>& bar, std::uint32_t* nonfinite_flags) {
   using t = tiles<kD, kC>;
   consumer_ring<t::kStages, kC> ring{bar};
   for (;;) {
     const stage_info first = ring.next();
-    if (first.work == kNoMoreWork) return;
+    if (first.work == kNoMoreWork) {
+      if (nonfinite_flags != nullptr && threadIdx.x % 32 == 0) {  // the lane that set it
+        nonfinite_flags[blockIdx.x * (4 * kC) + threadIdx.x / 32 - 4] = ring.nonfinite_flag();
+      }
+      return;
+    }
     const tile_work w = work_tile<t::kTileQ>(p, first.work);
     if (first.tile == kNoMoreTiles) {
       ring.release(ring.stage(ring.it++));
       fragment_softmax none;
       float zero[kD / 2] = {};
-      store_rows<T>(p, w, fragment_coords(consumer), zero, none);
+      store_rows<T>(p, w, fragment_coords(consumer), zero, none, ring.nonfinite_flag());
       continue;
     }
     ring.wait_q();

@@ -2,6 +2,9 @@
 // The epilogue: O = acc * out_scale and LSE for this thread's two rows, from the accumulator
 // fragment to global memory (float32 or the input dtype, any strides; 16-byte stores where O's
 // rows allow: store.cuh). A row with no visible key has acc = 0 and gets finalize()'s (0, -inf).
+// `warp_flag` (shared memory, one word per consumer warp) becomes 1 when a value of the warp's
+// accumulator or an out_scale is NaN or inf: hopper.cu's check of the result in place of a
+// scan of V (a NaN or inf of V that leaked into a row that masks its key shows there).
 
 #include <cstdint>
 
@@ -15,9 +18,15 @@ namespace flashref::cuda::detail::sm90 {
 
 template <class T, int kN>
 __device__ void store_rows(const kernel_params& p, const tile_work& w, const fragment_coords& at,
-                           const float (&acc)[kN], fragment_softmax& sm) {
+                           const float (&acc)[kN], fragment_softmax& sm, std::uint32_t& warp_flag) {
   finalized<float> fin[2];
   sm.finalize(fin);
+  // x * 0 is 0 for finite x and NaN otherwise: one FMA per value.
+  float probe = fmaf(fin[0].out_scale, 0.f, fin[1].out_scale * 0.f);
+#pragma unroll
+  for (int i = 0; i < kN; ++i)
+    probe = fmaf(acc[i], 0.f, probe);
+  if (__any_sync(kFullWarp, probe != probe) && threadIdx.x % 32 == 0) warp_flag = 1;
   const row_store how = row_store_of(p.o, p.o_stride, p.out);
 #pragma unroll
   for (int r = 0; r < 2; ++r) {

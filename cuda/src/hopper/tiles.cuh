@@ -169,8 +169,12 @@ struct barriers {
   std::uint64_t v_full[kStages];
   std::uint64_t empty[kStages];  // one arrival per consumer warp
   stage_info info[kStages];
+  // Per consumer warp: 1 once a value it stored in O (or an out_scale) was NaN or inf.
+  std::uint32_t nonfinite[4 * kC];
 
   __device__ void init() {
+    for (int w = 0; w < 4 * kC; ++w)
+      nonfinite[w] = 0;
     mbar_init(&q_full, 1);
     mbar_init(&q_empty, 4 * kC);
     for (int s = 0; s < kStages; ++s) {
