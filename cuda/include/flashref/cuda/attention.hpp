@@ -79,7 +79,7 @@ struct device_problem {
 
   kernel_choice kernel = kernel_choice::automatic;
 
-  // true: the caller promises that V holds no NaN or inf, and the scan of V is left out (a
+  // true: the caller promises that V holds no NaN or inf, and the guard below is left out (a
   // broken promise may put NaN in rows that do not see the key; SPEC §2, cuda/NOTES.md).
   bool v_finite = false;
 };
@@ -90,9 +90,12 @@ struct device_problem {
 //
 // The kernel is chosen by p.kernel and the table above kernel_choice; bfloat16 / float16
 // problems no tensor-core kernel takes run on the float32-accumulating SIMT kernel. SPEC §2's
-// rule for NaN and inf in V holds on every kernel: after a tensor-core kernel, a scan of V on
-// the same stream (unless p.v_finite) lets the SIMT kernel recompute the problem when V holds
-// one, with no host synchronization.
+// rule for NaN and inf in V holds on every kernel: where the mask hides some key from some row
+// (causal, a window, kv_len, a block mask) and unless p.v_finite, a tensor-core kernel is
+// followed on the same stream by the SIMT kernel, which recomputes the problem only when the
+// fast result may carry a leaked NaN or inf (the Hopper kernel flags any non-finite value it
+// stores; after the mma.sync kernel a scan of V decides), with no host synchronization. Without
+// such a mask every row sees every key, and a non-finite V reaches the reference's rows alike.
 void attention(const device_problem& p, cudaStream_t stream);
 
 // The pointer checks of attention(p, stream), alone; each failure is a problem_error naming the
