@@ -24,6 +24,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <type_traits>
 
 #include "hopper/consumer.cuh"
 #include "hopper/producer.cuh"
@@ -142,25 +143,22 @@ std::int64_t hopper_flag_count(const kernel_params& p, int sm_count) {
 
 cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
                           std::uint32_t* nonfinite_flags, int sm_count, cudaStream_t stream) {
-  const bool half = input == elem::f16;
-  if (p.head_dim == 64) {
-    if (hopper_consumers(p) == 3) {
-      return half ? launch<__half, 64, 3>(p, input, work_counter, nonfinite_flags, sm_count, stream)
-                  : launch<__nv_bfloat16, 64, 3>(p, input, work_counter, nonfinite_flags, sm_count,
-                                                 stream);
-    }
-    return half ? launch<__half, 64, 2>(p, input, work_counter, nonfinite_flags, sm_count, stream)
-                : launch<__nv_bfloat16, 64, 2>(p, input, work_counter, nonfinite_flags, sm_count,
+  // The instantiation for (kD, kC), in bf16 or fp16.
+  const auto typed = [&](auto d, auto c) {
+    constexpr int kD = decltype(d)::value, kC = decltype(c)::value;
+    return input == elem::f16
+               ? launch<__half, kD, kC>(p, input, work_counter, nonfinite_flags, sm_count, stream)
+               : launch<__nv_bfloat16, kD, kC>(p, input, work_counter, nonfinite_flags, sm_count,
                                                stream);
+  };
+  using two = std::integral_constant<int, 2>;
+  if (p.head_dim == 64) {
+    using d64 = std::integral_constant<int, 64>;
+    return hopper_consumers(p) == 3 ? typed(d64{}, std::integral_constant<int, 3>{})
+                                    : typed(d64{}, two{});
   }
-  if (p.head_dim == 256) {
-    return half ? launch<__half, 256, 2>(p, input, work_counter, nonfinite_flags, sm_count, stream)
-                : launch<__nv_bfloat16, 256, 2>(p, input, work_counter, nonfinite_flags, sm_count,
-                                                stream);
-  }
-  return half ? launch<__half, 128, 2>(p, input, work_counter, nonfinite_flags, sm_count, stream)
-              : launch<__nv_bfloat16, 128, 2>(p, input, work_counter, nonfinite_flags, sm_count,
-                                              stream);
+  if (p.head_dim == 256) return typed(std::integral_constant<int, 256>{}, two{});
+  return typed(std::integral_constant<int, 128>{}, two{});
 }
 
 }  // namespace flashref::cuda::detail
