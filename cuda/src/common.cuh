@@ -284,21 +284,37 @@ __device__ __forceinline__ bool key_visible(const mask_spec& m, std::int64_t b, 
 }
 
 // Visibility of keys j0 + 8 nb + c (nb < kBlocks, c < 2) to query row i, one bit each
-// (bit 2 nb + c): the keys one thread holds of a row in the m16n8 accumulator layout.
+// (bit 2 nb + c): the keys one thread holds of a row in the m16n8 accumulator layout. The
+// row's key interval (mask_spec::row_range: causal, window, kv_len) once, then per key the
+// interval test and, with a block mask, its block: mask_spec::visible's rule.
 template <int kBlocks>
 __device__ __forceinline__ std::uint32_t key_bits(const mask_spec& m, std::int64_t b,
                                                   std::int64_t h, std::int64_t i, std::int64_t j0) {
+  if (i >= m.len_q) return 0;  // rows past the end of the problem see nothing
+  const key_range r = m.row_range(b, i);
   std::uint32_t bits = 0;
+  if (m.block_mask == nullptr) {
+#pragma unroll
+    for (int n = 0; n < 2 * kBlocks; ++n) {
+      const std::int64_t j = j0 + (n / 2) * 8 + n % 2;
+      if (j >= r.lo && j < r.hi) bits |= 1u << n;
+    }
+    return bits;
+  }
+  const std::int64_t qb = i / m.block_q;
 #pragma unroll 1
   for (int n = 0; n < 2 * kBlocks; ++n) {
-    if (key_visible(m, b, h, i, j0 + (n / 2) * 8 + n % 2)) bits |= 1u << n;
+    const std::int64_t j = j0 + (n / 2) * 8 + n % 2;
+    if (j >= r.lo && j < r.hi && m.block_visible(b, h, qb, j / m.block_k)) bits |= 1u << n;
   }
   return bits;
 }
 
 // Visibility of key j to query rows i0 + 8 nb + c (nb < kBlocks, c < 2), one bit each
 // (bit 2 nb + c): the rows one thread holds of a key in the transposed (key-major) m16n8
-// accumulator layout of the backward's dK, dV pass.
+// accumulator layout of the backward's dK, dV passes. One visibility test per row: the form
+// the mma.sync dK, dV kernel takes (its registers do not take the interval's arithmetic below:
+// 8 bytes of spills at D = 128).
 template <int kBlocks>
 __device__ __forceinline__ std::uint32_t query_bits(const mask_spec& m, std::int64_t b,
                                                     std::int64_t h, std::int64_t j,
@@ -307,6 +323,30 @@ __device__ __forceinline__ std::uint32_t query_bits(const mask_spec& m, std::int
 #pragma unroll 1
   for (int n = 0; n < 2 * kBlocks; ++n) {
     if (key_visible(m, b, h, i0 + (n / 2) * 8 + n % 2, j)) bits |= 1u << n;
+  }
+  return bits;
+}
+
+// The same given the key's row interval `r` (mask_spec::query_range: causal, window, kv_len):
+// without a block mask, per row one test against the interval (per row a row_range before:
+// about six times a full tile's instructions per partial tile in the Hopper dK, dV kernel,
+// cuda/NOTES.md b3.6); with one, per row as above.
+template <int kBlocks>
+__device__ __forceinline__ std::uint32_t query_bits(const mask_spec& m, std::int64_t b,
+                                                    std::int64_t h, std::int64_t j, std::int64_t i0,
+                                                    const key_range& r) {
+  if (m.block_mask != nullptr) return query_bits<kBlocks>(m, b, h, j, i0);
+  // The interval relative to i0, clamped to the rows at hand: 32-bit tests.
+  constexpr std::int64_t kSpan = 8 * kBlocks;
+  const auto rel = [&](std::int64_t x) {
+    return static_cast<int>(x < i0 ? -1 : x - i0 > kSpan ? kSpan : x - i0);
+  };
+  const int lo = rel(r.lo), hi = rel(r.hi);
+  std::uint32_t bits = 0;
+#pragma unroll
+  for (int n = 0; n < 2 * kBlocks; ++n) {
+    const int off = (n / 2) * 8 + n % 2;
+    if (off >= lo && off < hi) bits |= 1u << n;
   }
   return bits;
 }

@@ -231,15 +231,28 @@ struct dkdv_pass {
     const kernel_params& p = bp.fwd;
     const int t = static_cast<int>(threadIdx.x % 128);
     const int key_row0 = consumer * 64;  // this warpgroup's keys in the block
-    // This thread's keys (rows of Sᵀ): key_a and key_a + 8; its query columns i0 + 8 nb + c.
-    // Keys and the batch in 32 bits (TMA coordinates are 32-bit): the loop holds dK, dV, Sᵀ
-    // and dPᵀ, and 64-bit copies of these took the consumers past their registers.
+    const int col0 = 2 * (t % 4);        // this thread's query columns: i0 + 8 nb + c
+    float rdK[kD / 2] = {};              // (64 keys, kD): dK / scale
+    float rdV[kD / 2] = {};
+    // This thread's keys (rows of Sᵀ): key_a and key_a + 8, in 32 bits (TMA coordinates are
+    // 32-bit): the loop holds dK, dV, Sᵀ and dPᵀ, and 64-bit copies took the consumers past
+    // their registers.
     const int key_a =
         static_cast<int>(blockIdx.x) * kBwdKeys + key_row0 + (t / 32) * 16 + (t % 32) / 4;
-    const int b32 = static_cast<int>(blockIdx.z);
-    const int col0 = 2 * (t % 4);
-    float rdK[kD / 2] = {};  // (64 keys, kD): dK / scale
-    float rdV[kD / 2] = {};
+    // The rows that see each of the two keys (mask_spec::query_range: causal, window, kv_len;
+    // the same for every head), formed once and kept in shared memory, where each partial tile
+    // reads them (in registers, or formed per tile, they cost the consumers spills). Rows are
+    // below 2^31 (TMA coordinates), so each end fits 32 bits once clamped to [0, len_q].
+    __shared__ std::int32_t key_rows[kConsumers * 128][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const key_range q = p.mask.query_range(blockIdx.z, key_a + 8 * r);
+      const auto clamp = [&](std::int64_t x) {
+        return static_cast<std::int32_t>(x < 0 ? 0 : x > p.len_q ? p.len_q : x);
+      };
+      key_rows[threadIdx.x - 128][2 * r] = clamp(q.lo);
+      key_rows[threadIdx.x - 128][2 * r + 1] = clamp(q.hi);
+    }
 
     for (int it = 0;; ++it) {
       const int s = it % kBwdStages;
@@ -258,13 +271,19 @@ struct dkdv_pass {
       product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rdP, smem.resident[1], key_row0, sdO);
       wgmma_commit();
 
-      // Bit 2 nb + c of visible[r]: query q0 + col0 + 8 nb + c sees key key_a + 8 r.
+      // Bit 2 nb + c of visible[r]: query q0 + col0 + 8 nb + c sees key k.key + 8 r.
       const std::int64_t q0 = std::int64_t(info.tile) * kBwdRows;
       std::uint32_t visible[2] = {~0u, ~0u};
       if (info.full == 0) {
+        // The batch and the thread's slot read afresh (volatile): kept across the loop for
+        // this branch alone, they spilled.
+        const block_ids ids = read_block_ids();
 #pragma unroll
-        for (int r = 0; r < 2; ++r)
-          visible[r] = query_bits<8>(p.mask, b32, info.head, key_a + 8 * r, q0 + col0);
+        for (int r = 0; r < 2; ++r) {
+          const std::int32_t* slot = key_rows[ids.tid - 128];
+          const key_range rows{slot[2 * r], slot[2 * r + 1]};
+          visible[r] = query_bits<8>(p.mask, ids.z, info.head, key_a + 8 * r, q0 + col0, rows);
+        }
       }
       const float* base = bar.lse_base[s];
       const float* delta = bar.delta[s];
@@ -439,9 +458,8 @@ struct dq_pass {
         if (info.full == 0) {
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            visible[r] =
-                tile_mask::key_bits<kS / 4>(p.mask, b, h, q0 + at.row0 + 8 * r,
-                                            std::int64_t(info.tile) * kKeys + sub0 + at.col0);
+            visible[r] = key_bits<kS / 4>(p.mask, b, h, q0 + at.row0 + 8 * r,
+                                          std::int64_t(info.tile) * kKeys + sub0 + at.col0);
           }
         }
         if (it > 0 || half > 0) {  // the previous part's dQ product is done

@@ -178,6 +178,30 @@ TEST_CASE("mask_spec classifies tiles exactly where it claims to", "[mask]") {
         }
 }
 
+TEST_CASE("mask_spec::query_range is row_range transposed", "[mask]") {
+  // The dK, dV passes test a key's rows against this interval instead of calling row_range per
+  // row: for every key, exactly the rows whose interval holds it, windows of every width
+  // (up to 2^63 - 1) included.
+  const std::uint64_t seed = GENERATE(range(0, 60));
+  problem_shape s = flashref::test::random_shape(seed);
+  s.Lq = std::max<std::int64_t>(s.Lq, 1), s.Lk = std::max<std::int64_t>(s.Lk, 1);
+  if (seed % 3 == 0) s.window_left = INT64_MAX;
+  if (seed % 5 == 0) s.window_right = INT64_MAX - 1;
+  CAPTURE(seed, s.describe());
+  const flashref::problem_data d = flashref::test::random_problem(s, seed);
+  const flashref::mask_spec m = flashref::make_mask_spec(d.inputs());
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t j = -1; j <= s.Lk; ++j) {
+      const flashref::key_range q = m.query_range(b, j);
+      CAPTURE(b, j, q.lo, q.hi);
+      for (std::int64_t i = 0; i < s.Lq; ++i) {
+        const flashref::key_range r = m.row_range(b, i);
+        CAPTURE(i, r.lo, r.hi);
+        REQUIRE((i >= q.lo && i < q.hi) == (j >= 0 && j >= r.lo && j < r.hi));
+      }
+    }
+}
+
 TEST_CASE("mask_spec::key_tiles names the tiles that hold a visible key, and the full ones",
           "[mask]") {
   // The Hopper kernel's walk over a mask without a block mask takes this span instead of

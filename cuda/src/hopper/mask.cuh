@@ -51,8 +51,8 @@ struct tile_mask {
     std::uint32_t visible[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      visible[r] =
-          key_bits<kBlocks>(mask, w.b, w.h, w.q0 + at.row0 + 8 * r, tile * (2 * kN) + at.col0);
+      visible[r] = detail::key_bits<kBlocks>(mask, w.b, w.h, w.q0 + at.row0 + 8 * r,
+                                             tile * (2 * kN) + at.col0);
     }
 #pragma unroll
     for (int i = 0; i < kN; ++i) {
@@ -60,32 +60,6 @@ struct tile_mask {
       const bool on = fragment_bit(visible, nb, e);
       s[i] = on ? s[i] * scale.pre : -INFINITY;
     }
-  }
-
-  // Visibility of keys j0 + 8 nb + c (nb < kBlocks, c < 2) to query row i, one bit each: the
-  // row's key interval (mask_spec::row_range: causal, window, kv_len) once, then per key the
-  // interval test and, with a block mask, its block; the same rule as mask_spec::visible.
-  template <int kBlocks>
-  __device__ static std::uint32_t key_bits(const mask_spec& m, std::int64_t b, std::int64_t h,
-                                           std::int64_t i, std::int64_t j0) {
-    if (i >= m.len_q) return 0;  // rows past the end of the problem see nothing
-    const key_range r = m.row_range(b, i);
-    std::uint32_t bits = 0;
-    if (m.block_mask == nullptr) {
-#pragma unroll
-      for (int n = 0; n < 2 * kBlocks; ++n) {
-        const std::int64_t j = j0 + (n / 2) * 8 + n % 2;
-        if (j >= r.lo && j < r.hi) bits |= 1u << n;
-      }
-      return bits;
-    }
-    const std::int64_t qb = i / m.block_q;
-#pragma unroll 1
-    for (int n = 0; n < 2 * kBlocks; ++n) {
-      const std::int64_t j = j0 + (n / 2) * 8 + n % 2;
-      if (j >= r.lo && j < r.hi && m.block_visible(b, h, qb, j / m.block_k)) bits |= 1u << n;
-    }
-    return bits;
   }
 };
 

@@ -51,6 +51,25 @@ struct mask_spec {
     return {lo, hi};
   }
 
+  // The transpose of row_range: the query rows [lo, hi) that see key j by causal, window and
+  // kv_len (empty, hi <= lo, for a key at or past len_k or kv_len[b]). The rows that see a key
+  // form one interval because both ends of a row's interval are non-decreasing in the row. For
+  // the dK, dV passes, which hold keys and walk query rows. Windows may be as wide as
+  // 2^63 - 1: a bound is formed only where it lies inside [0, len_q].
+  FLASHREF_INLINE key_range query_range(std::int64_t b, std::int64_t j) const {
+    if (j < 0 || j >= len_k || (kv_len != nullptr && j >= kv_len[b])) return {0, 0};
+    const std::int64_t t = j - (len_k - len_q);  // the row whose diagonal is key j
+    std::int64_t lo = 0;
+    std::int64_t hi = len_q;
+    if (causal == causal_mode::bottom_right && t > lo) lo = t;  // j <= i + (Lk - Lq)
+    if (causal == causal_mode::top_left && j > lo) lo = j;      // j <= i
+    // j <= diag + window_right, i.e. i >= t - window_right.
+    if (window_right >= 0 && window_right < t - lo) lo = t - window_right;
+    // j >= diag - window_left, i.e. i <= t + window_left.
+    if (window_left >= 0 && window_left < hi - 1 - t) hi = t + window_left + 1;
+    return {lo, hi};
+  }
+
   FLASHREF_INLINE bool block_visible(std::int64_t b, std::int64_t h, std::int64_t qb,
                                      std::int64_t kb) const {
     return block_mask[b * bm_stride_b + h * bm_stride_h + qb * bm_stride_qb + kb * bm_stride_kb] !=
