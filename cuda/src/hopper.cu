@@ -10,7 +10,10 @@
 //   warpgroups 1 .. kC  consumers (consumer.cuh), 64 rows each: S = Q K^T, mask, online
 //                softmax, O += P V with P in registers, then the epilogue (epilogue.cuh).
 //                Two consumers, or three at D = 64 (tiles.cuh's block_shape says when).
-// setmaxnreg moves registers from the producer to the consumers. Tiles and barriers:
+// setmaxnreg moves registers from the producer to the consumers. With `nonfinite_flags` each
+// consumer warp also reports whether a value it stored was NaN or inf (epilogue.cuh): where the
+// mask hides keys, the device entry's gate for a SIMT rerun that keeps a NaN or inf of V out of
+// the rows that do not see its key (attention.cpp; cuda/NOTES.md). Tiles and barriers:
 // tiles.cuh; the order of query tiles: scheduler.cuh; PTX wrappers: sm90.cuh, wgmma.cuh.
 //
 // The instructions are sm_90a only: other targets compile an empty kernel that the dispatcher

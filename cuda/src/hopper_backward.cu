@@ -242,7 +242,8 @@ struct dkdv_pass {
     // The rows that see each of the two keys (mask_spec::query_range: causal, window, kv_len;
     // the same for every head), formed once and kept in shared memory, where each partial tile
     // reads them (in registers, or formed per tile, they cost the consumers spills). Rows are
-    // below 2^31 (TMA coordinates), so each end fits 32 bits once clamped to [0, len_q].
+    // below 2^31 (TMA coordinates), so each end fits 32 bits once clamped to [0, len_q]. Each
+    // consumer thread writes and reads only its own slot: no barrier.
     __shared__ std::int32_t key_rows[kConsumers * 128][4];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -271,7 +272,7 @@ struct dkdv_pass {
       product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rdP, smem.resident[1], key_row0, sdO);
       wgmma_commit();
 
-      // Bit 2 nb + c of visible[r]: query q0 + col0 + 8 nb + c sees key k.key + 8 r.
+      // Bit 2 nb + c of visible[r]: query q0 + col0 + 8 nb + c sees key key_a + 8 r.
       const std::int64_t q0 = std::int64_t(info.tile) * kBwdRows;
       std::uint32_t visible[2] = {~0u, ~0u};
       if (info.full == 0) {
