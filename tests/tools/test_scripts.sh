@@ -188,6 +188,35 @@ expect "check-ptxas-report: a log without a report" 2 "expected ptxas resource l
 expect "check-ptxas-report: a missing log" 2 "BUILD_LOG: expected a readable file" \
   -- "$ptx" "$work/no-such.log"
 
+# scripts/gpu-tables: a round's JSON as the docs' tables, or one line naming what is wrong.
+tables=$root/scripts/gpu-tables
+mkdir -p "$work/round-empty" "$work/round-bad" "$work/round-ok"
+echo '{"not": "a list"}' >"$work/round-bad/bench_torch.json"
+cat >"$work/round-ok/bench_torch.json" <<'JSON'
+[{"D": 64, "Lq": 1024, "mask": "dense", "density": 1.0, "visible_fraction": 1.0,
+  "median_s": 0.0004, "tflops": 343.6, "flash_tflops": 270.5, "cudnn_tflops": 392.5,
+  "flex_tflops": 254.7, "ours_over_flash": 1.27, "ours_over_cudnn": 0.875,
+  "ours_over_flex": 1.349, "nan_count": 0},
+ {"D": 64, "Lq": 1024, "mask": "block_sparse", "density": 0.2, "visible_fraction": 0.184,
+  "median_s": 0.0001, "tflops": 161.5, "flash_tflops": null, "cudnn_tflops": null,
+  "flex_tflops": 95.9, "ours_over_flash": null, "ours_over_cudnn": null,
+  "ours_over_flex": 1.684, "nan_count": 0}]
+JSON
+expect "gpu-tables without arguments" 2 "usage: scripts/gpu-tables RESULTS_DIR" -- "$tables"
+expect "gpu-tables with a missing folder" 2 "RESULTS_DIR: expected a folder" \
+  -- "$tables" "$work/no-such-round"
+expect "gpu-tables with no JSON" 2 "expected bench_torch.json or bench_torch_backward.json" \
+  -- "$tables" "$work/round-empty"
+expect "gpu-tables with a JSON that is not a list" 2 "bench_torch.json: expected a JSON list" \
+  -- "$tables" "$work/round-bad"
+mkdir -p "$work/round-short"
+echo '[{"D": 64, "Lq": 1024, "mask": "dense"}]' >"$work/round-short/bench_torch.json"
+expect "gpu-tables with a record that lacks a field" 2 "record 0: expected a field 'visible_fraction'" \
+  -- "$tables" "$work/round-short"
+expect "gpu-tables renders the rows, n/a where a baseline did not run" 0 \
+  "\| 64 \| 1024 \| block-sparse 0.2 \| 0.184 \| 0.100 \| 161.5 \| n/a \| n/a \| 95.9 \| n/a \| n/a \| 1.68 \| 0.250 \| 0 \|" \
+  -- "$tables" "$work/round-ok"
+
 if [[ $failures -ne 0 ]]; then
   echo "$failures script checks failed"
   exit 1
