@@ -80,9 +80,7 @@ __global__ void __launch_bounds__(sm90::block_shape<kC>::kThreads, 1)
 
 // Persistent: one block per SM (the shared memory allows no second), or fewer for a small
 // problem.
-template <int kC>
-std::int64_t blocks_for(const kernel_params& p, int sm_count) {
-  const std::int64_t items = sm90::work_items<sm90::block_shape<kC>::kTileQ>(p);
+std::int64_t persistent_blocks(std::int64_t items, int sm_count) {
   return items < sm_count ? items : sm_count;
 }
 
@@ -116,7 +114,7 @@ cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_count
   // Work items are numbered in 32 bits: 2^31 of them would need Q of at least 2^45 bytes.
   const std::int64_t items = sm90::work_items<t::kTileQ>(p);
   if (items > std::int64_t(INT32_MAX)) return cudaErrorInvalidValue;
-  const std::int64_t blocks = blocks_for<kC>(p, sm_count);
+  const std::int64_t blocks = persistent_blocks(items, sm_count);
   hopper_kernel<T, kD, kC>
       <<<static_cast<unsigned>(blocks), sm90::block_shape<kC>::kThreads, kSmem, stream>>>(hp);
   return cudaGetLastError();
@@ -139,9 +137,9 @@ int hopper_consumers(const kernel_params& p) {
 
 std::int64_t hopper_flag_count(const kernel_params& p, int sm_count) {
   const int consumers = hopper_consumers(p);
-  const std::int64_t blocks =
-      consumers == 3 ? blocks_for<3>(p, sm_count) : blocks_for<2>(p, sm_count);
-  return blocks * 4 * consumers;
+  const std::int64_t items = consumers == 3 ? sm90::work_items<sm90::block_shape<3>::kTileQ>(p)
+                                            : sm90::work_items<sm90::block_shape<2>::kTileQ>(p);
+  return persistent_blocks(items, sm_count) * 4 * consumers;
 }
 
 cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
