@@ -97,10 +97,34 @@ kernel_kind validate_device_backward(const device_backward_problem& p) {
   return kernel;
 }
 
+// Whether the Hopper kernel forms dQ beside dK and dV (not deterministic): where that measured
+// faster than dQ's own pass on an H200 (cuda/NOTES.md, "b4", "b4.1"). Its extra cost is fixed
+// per query row (the float32 sums zeroed, then scaled into dQ), its saving grows with the keys a
+// row sees: from Lk = 4096 without a block mask (dense +10.6 %, causal +7.8 % there in b4.1; at
+// Lk = 2048 within ±1 % in b4), from Lk = 16384 with one (at Lk = 8192, density 0.04: 4.5 %
+// slower in b4).
+constexpr std::int64_t kSumsMinKeys = 4096, kSumsMinKeysBlockSparse = 16384;
+bool dq_beside_dkdv(const device_backward_problem& p, kernel_kind kernel) {
+  const std::int64_t lk = p.forward.k.shape[2];
+  const bool sparse = p.forward.block_mask.data != nullptr;
+  return !p.deterministic && kernel == kernel_kind::hopper &&
+         lk >= (sparse ? kSumsMinKeysBlockSparse : kSumsMinKeys);
+}
+
+// Delta (B·Hq·Lq floats), then, where dQ is formed beside dK and dV, its float32 sums
+// (launch.hpp: none at D = 64); `kernel` the one that runs p.
+std::size_t dq_sums_bytes(const device_backward_problem& p, kernel_kind kernel) {
+  if (!dq_beside_dkdv(p, kernel)) return 0;
+  const auto& q = p.forward.q.shape;
+  return round_up(detail::hopper_dq_sums_bytes(q[0], q[1], q[2], q[3]));
+}
+std::size_t workspace_bytes(const device_backward_problem& p, kernel_kind kernel) {
+  const auto& q = p.forward.q.shape;
+  const std::size_t delta = round_up(std::size_t(q[0] * q[1] * q[2]) * sizeof(float));
+  return delta + dq_sums_bytes(p, kernel) + kWorkspaceAlign;  // never empty
+}
 std::size_t workspace_bytes(const device_backward_problem& p) {
-  const std::size_t rows =
-      std::size_t(p.forward.q.shape[0] * p.forward.q.shape[1] * p.forward.q.shape[2]);
-  return round_up(rows * sizeof(float)) + kWorkspaceAlign;  // never empty
+  return workspace_bytes(p, choose_backward(p));
 }
 
 // Enqueues a validated backward; `mask` carries the problem's mask (kv_len from p.forward).
@@ -122,7 +146,7 @@ void enqueue_backward(const device_backward_problem& p, kernel_kind kernel, cons
   bp.dk_store = detail::row_store_of(bp.dk, bp.dk_stride, bp.grad_out);
   bp.dv_store = detail::row_store_of(bp.dv, bp.dv_stride, bp.grad_out);
 
-  const std::size_t need = workspace_bytes(p);
+  const std::size_t need = workspace_bytes(p, kernel);
   void* ws = p.workspace;
   if (ws == nullptr) {
     check(cudaMallocAsync(&ws, need, stream), "cudaMallocAsync (backward workspace)");
@@ -131,6 +155,11 @@ void enqueue_backward(const device_backward_problem& p, kernel_kind kernel, cons
                         std::to_string(p.workspace_bytes));
   }
   bp.delta = static_cast<float*>(ws);
+  if (dq_sums_bytes(p, kernel) > 0) {
+    const auto& q = p.forward.q.shape;
+    bp.dq_sums = reinterpret_cast<float*>(
+        static_cast<char*>(ws) + round_up(std::size_t(q[0] * q[1] * q[2]) * sizeof(float)));
+  }
   const input_dtype in = p.forward.q.dtype;
   cudaError_t e = detail::launch_backward_delta(bp, stream);
   if (e == cudaSuccess) {

@@ -14,6 +14,12 @@
 // waiting for anything to load. The mma.sync backward (tensor_core_backward.cu) takes the same
 // problems on other GPUs.
 //
+// Opt-in (device_backward_problem::deterministic = false, D = 128, long enough key sequences):
+// the dK, dV kernel forms each query tile's dQ = dS K beside dK and dV and adds it to float32
+// sums by bulk reductions in whatever order its blocks finish (hopper/backward.cuh), then a
+// small kernel scales the sums into dQ: two products fewer than the dQ kernel's, not bitwise
+// repeatable.
+//
 // The instructions are sm_90a only: other targets compile empty kernels that the dispatcher
 // never launches.
 
@@ -23,6 +29,7 @@
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 #include "hopper/backward.cuh"
@@ -169,18 +176,78 @@ struct bwd_layout {
 template <int kD>
 using dkdv_layout = bwd_layout<kBwdKeys, kBwdRows, kD>;
 
-// The dK, dV pass: its barriers, register split and layout, the producer warp and a
-// consumer warpgroup, as the kernel template below takes them.
-struct dkdv_pass {
+// With dQ (D = 128): a buffer of dSᵀ (128 keys x 64 query columns, a box) and the chunk of dQ
+// the copy engine adds to the sums in global memory (kDqChunkFloats floats), past the last stage
+// of dO: 209 KiB in all at D = 128 with 3 stages. One dSᵀ buffer suffices: a consumer stores the
+// next tile's dSᵀ only after the hand-over of this tile's chunk (kDqBarrier), which each
+// consumer reaches after its own dS K product has completed.
+template <int kD>
+struct dkdvq_layout : dkdv_layout<kD> {
+  using ds_tile = box_tile<kBwdKeys, kBwdRows>;
+  static constexpr int kSmemBytes =
+      dkdv_layout<kD>::kSmemBytes + ds_tile::kBytes + kDqChunkFloats<kD> * 4;
+  __device__ unsigned char* ds() const { return this->stage(1, kBwdStages); }
+  __device__ float* dq() const {
+    return reinterpret_cast<float*>(this->stage(1, kBwdStages) + ds_tile::kBytes);
+  }
+
+  __device__ explicit dkdvq_layout(unsigned char* raw) : dkdv_layout<kD>(raw) {}
+};
+
+// dSᵀ of this consumer's 64 keys (adS: its A fragments, the accumulator's pairs of query
+// columns) into rows key_row0 + [0, 64) of a (128 keys, 64 queries) box in the 128-byte
+// swizzle: the MN-major A operand of dQ = dS K. Register [kk][j] holds row 16 warp + lane / 4 +
+// 8 (j % 2), columns 16 kk + 8 (j / 2) + 2 (lane % 4) + {0, 1}: one 4-byte store, the 32 lanes
+// on 32 different banks.
+__device__ __forceinline__ void store_ds(unsigned char* ds, int key_row0,
+                                         const std::uint32_t (&adS)[4][4]) {
+  // The lane and warp read here, not hoisted: otherwise the compiler keeps the 16 addresses
+  // (loop-invariant) in registers across the consumer's loop and spills.
+  const unsigned lane = read_lane(), warp = (read_tid() % 128) / 32;
+  const int row_a = key_row0 + static_cast<int>(warp) * 16 + static_cast<int>(lane) / 4;
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int row = row_a + 8 * (j % 2);
+      const int chunk = (2 * kk + j / 2) ^ static_cast<int>(lane / 4);  // row % 8 == lane / 4
+      const std::uint32_t addr = smem_addr(ds + row * 128 + chunk * 16 + (lane % 4) * 4);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(adS[kk][j]) : "memory");
+    }
+  }
+}
+
+// acc (64 queries, columns [64 c, 64 c + 64)) = dS (64 x 128 keys, from the dSᵀ box) K (the
+// resident 128 keys, box c of the head dim) for consumer c: both operands MN-major.
+template <class T, int kD>
+__device__ __forceinline__ void product_dq(float (&acc)[32], const unsigned char* ds,
+                                           const unsigned char* k) {
+  using ds_tile = box_tile<kBwdKeys, kBwdRows>;
+  using k_tile = box_tile<kBwdKeys, kD>;
+  // The consumer (warpgroup - 1) read in place: its 8 descriptors of K's box are then formed
+  // here, not kept (and spilled) across the consumer's loop.
+  const int c = static_cast<int>(read_tid() / 128) - 1;
+#pragma unroll
+  for (int kk = 0; kk < kBwdKeys / 16; ++kk) {
+    wgmma_ss_n64_mn<T>(acc, ds_tile::mn_major(ds, kk),
+                       k_tile::mn_major(k + c * k_tile::kBoxBytes, kk), kk > 0 ? 1 : 0);
+  }
+}
+
+// The dK, dV pass, with dQ folded in (kDq: D = 128) or not: its barriers, register split and
+// layout, the producer warp and a consumer warpgroup (with kDq also adding dQ), as the kernel
+// template below takes them.
+template <bool kDq>
+struct dkdv_pass_t {
   using barriers = dkdv_barriers;
   using registers = dkdv_registers;
   template <int kD>
-  using layout = dkdv_layout<kD>;
+  using layout = std::conditional_t<kDq, dkdvq_layout<kD>, dkdv_layout<kD>>;
 
   template <class T, int kD>
-  __device__ static void produce(const hopper_bwd_params& hp, const dkdv_layout<kD>& smem,
-                                 dkdv_barriers& bar) {
-    using L = dkdv_layout<kD>;
+  __device__ static void produce(const hopper_bwd_params& hp, const layout<kD>& smem,
+                                 barriers& bar) {
+    using L = layout<kD>;
     const backward_params& bp = hp.bp;
     const kernel_params& p = bp.fwd;
     const bool leader = threadIdx.x % 32 == 0;
@@ -225,8 +292,8 @@ struct dkdv_pass {
   }
 
   template <class T, int kD>
-  __device__ static void consume(const hopper_bwd_params& hp, int consumer,
-                                 const dkdv_layout<kD>& smem, dkdv_barriers& bar) {
+  __device__ static void consume(const hopper_bwd_params& hp, int consumer, const layout<kD>& smem,
+                                 barriers& bar) {
     const backward_params& bp = hp.bp;
     const kernel_params& p = bp.fwd;
     const int t = static_cast<int>(threadIdx.x % 128);
@@ -237,6 +304,10 @@ struct dkdv_pass {
     // This thread's keys (rows of Sᵀ): key_a and key_a + 8, in 32 bits (TMA coordinates are
     // 32-bit): the loop holds dK, dV, Sᵀ and dPᵀ, and 64-bit copies took the consumers past
     // their registers.
+    const auto key_of = [](const block_ids& ids) {
+      const int c = static_cast<int>(ids.tid / 128) - 1, u = static_cast<int>(ids.tid % 128);
+      return static_cast<int>(ids.x) * kBwdKeys + c * 64 + (u / 32) * 16 + (u % 32) / 4;
+    };
     const int key_a =
         static_cast<int>(blockIdx.x) * kBwdKeys + key_row0 + (t / 32) * 16 + (t % 32) / 4;
     // The rows that see each of the two keys (mask_spec::query_range: causal, window, kv_len;
@@ -255,12 +326,16 @@ struct dkdv_pass {
       key_rows[threadIdx.x - 128][2 * r + 1] = clamp(q.hi);
     }
 
-    for (int it = 0;; ++it) {
+    int it = 0;
+    for (;; ++it) {
       const int s = it % kBwdStages;
       mbar_wait(&bar.full[s], (it / kBwdStages) & 1);
       const bwd_stage_info info = read_stage_slot(bar.info[s]);
       if (info.tile == kNoMoreTiles) break;
-      if (it == 0) mbar_wait(&bar.resident, 0);
+      if (it == 0) {
+        mbar_wait(&bar.resident, 0);
+        if constexpr (kDq) zero_k_tail<kD>(hp, smem, consumer);
+      }
       const unsigned char* sQ = smem.stage(0, s);
       const unsigned char* sdO = smem.stage(1, s);
 
@@ -283,7 +358,10 @@ struct dkdv_pass {
         for (int r = 0; r < 2; ++r) {
           const std::int32_t* slot = key_rows[ids.tid - 128];
           const key_range rows{slot[2 * r], slot[2 * r + 1]};
-          visible[r] = query_bits<8>(p.mask, ids.z, info.head, key_a + 8 * r, q0 + col0, rows);
+          // With dQ the key is formed afresh too (kept, it spilled); without, formed afresh
+          // it spilled.
+          const int key = (kDq ? key_of(ids) : key_a) + 8 * r;
+          visible[r] = query_bits<8>(p.mask, ids.z, info.head, key, q0 + col0, rows);
         }
       }
       const float* base = bar.lse_base[s];
@@ -310,19 +388,44 @@ struct dkdv_pass {
       std::uint32_t aP[4][4], adS[4][4];
       to_a_fragments<T>(rS, aP);
       to_a_fragments<T>(rdP, adS);
+      if constexpr (kDq) {  // dSᵀ for dQ = dS K, stored before the fragments go to wgmma
+        store_ds(smem.ds(), key_row0, adS);
+        fence_proxy_async();
+      }
 
       // dV += Pᵀ dO, dK += dSᵀ Q.
       wgmma_fence();
       product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
       product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
       wgmma_commit();
+      if constexpr (kDq) {
+        // The last tile's chunk read by the copy engine (add_dq) before anyone passes here.
+        // (The adding thread, 128, found afresh: a flag kept across the loop spilled.)
+        if (it > 0 && consumer == 0 && t == 0) bulk_wait_read();
+        named_barrier_sync(kDsBarrier, 128 * kConsumers);
+      }
       wgmma_wait<0>();
       fence_operands(rdV);
       fence_operands(rdK);
       fence_fragments(aP);
       fence_fragments(adS);
 
+      // dQ's columns [64 consumer, + 64) = dS K once both consumers' dSᵀ are stored (and this
+      // one's fragments free: with dK, dV, Pᵀ and dSᵀ live as well, ptxas spills). The stage is
+      // released after the hand-over, whose tile and head come from its descriptor.
+      if constexpr (kDq) {
+        float rdQ[32];
+        wgmma_fence();
+        product_dq<T, kD>(rdQ, smem.ds(), smem.resident[0]);
+        wgmma_commit();
+        wgmma_wait<0>();
+        fence_operands(rdQ);
+        add_dq<kD>(hp, smem, consumer, bar.info[s], rdQ);
+      }
       bar.release(s);
+    }
+    if constexpr (kDq) {  // every addition performed before the block ends
+      if (read_tid() == 128) bulk_wait();
     }
     // Both gradients in 16-byte stores of whole columns where their rows allow (store.cuh):
     // element by element, dK and dV at D = 128 wrote 2-byte pieces of 8 rows per warp store,
@@ -336,7 +439,98 @@ struct dkdv_pass {
     store_gradient<T, kD>(bp.dv, bp.dv_stride, bp.grad_out, bp.dv_store, ids.z, ids.y, row0,
                           p.len_k, rdV, 1.f);
   }
+
+  // This thread's 32 floats of the query tile's dQ into the chunk buffer, then (once both
+  // consumers' are there) one thread adds the chunk to the tile's float32 sums by a bulk
+  // reduction of the copy engine. The buffer is reused a tile later: the adding thread waits
+  // for the engine to have read it before the next tile's first barrier (kDsBarrier), which
+  // every thread passes before it writes the buffer again.
+  // `slot`: the tile's stage descriptor, still held (read here by the adding thread alone:
+  // tile and head kept in registers from the top of the loop made ptxas spill).
+  template <int kD>
+  __device__ static void add_dq(const hopper_bwd_params& hp, const layout<kD>& smem, int consumer,
+                                const bwd_stage_info& slot, const float (&acc)[32]) {
+    const kernel_params& p = hp.bp.fwd;
+    // Read in place, not hoisted (the chunk's addresses would be kept and spilled).
+    const int t = static_cast<int>(read_tid() % 128);
+    float4* chunk = reinterpret_cast<float4*>(smem.dq());
+#pragma unroll
+    for (int g = 0; g < 8; ++g) {
+      chunk[dq_chunk_float4(consumer, g, t)] =
+          make_float4(acc[4 * g], acc[4 * g + 1], acc[4 * g + 2], acc[4 * g + 3]);
+    }
+    fence_proxy_async();  // the stores above are read by the copy engine
+    named_barrier_sync(kDqBarrier, 128 * kConsumers);
+    if (consumer == 0 && t == 0) {
+      const bwd_stage_info info = slot;
+      const std::int64_t tiles_q = (p.len_q + kBwdRows - 1) / kBwdRows;
+      const std::int64_t n = (blockIdx.z * p.heads_q + info.head) * tiles_q + info.tile;
+      bulk_reduce_add_f32(hp.bp.dq_sums + n * kDqChunkFloats<kD>, chunk, kDqChunkFloats<kD> * 4);
+      bulk_commit();
+    }
+  }
+
+  // Where kv_len cuts the block's keys, K's rows at or past it (maybe uninitialised) are set to
+  // zero once K has landed, each consumer its own 64 rows: they meet dS = 0 in dQ = dS K, as in
+  // the dQ kernel (TMA itself zero-fills rows past Lk). Sᵀ reads only the consumer's rows (its
+  // warps' stores ordered by a barrier of the warpgroup); dQ = dS K reads both halves after
+  // kDsBarrier.
+  template <int kD>
+  __device__ static void zero_k_tail(const hopper_bwd_params& hp, const layout<kD>& smem,
+                                     int consumer) {
+    const kernel_params& p = hp.bp.fwd;
+    if (p.mask.kv_len == nullptr) return;
+    const std::int64_t k0 = std::int64_t(blockIdx.x) * kBwdKeys + consumer * 64;
+    const std::int64_t end = p.mask.kv_len[blockIdx.z];
+    if (end >= k0 + 64) return;
+    using k_tile = box_tile<kBwdKeys, kD>;
+    // Whole rows [r0, 64 consumer + 64) of each box, 16 bytes per store (the swizzle permutes
+    // chunks within a row only).
+    const int r0 = consumer * 64 + (end > k0 ? static_cast<int>(end - k0) : 0);
+    constexpr int kRowChunks = 128 / 16;
+    const int per_box = (consumer * 64 + 64 - r0) * kRowChunks;
+    for (int idx = static_cast<int>(threadIdx.x % 128); idx < per_box * (kD / kBoxCols);
+         idx += 128) {
+      const int box = idx / per_box, within = idx % per_box;
+      *reinterpret_cast<uint4*>(smem.resident[0] + box * k_tile::kBoxBytes + r0 * 128 +
+                                within * 16) = make_uint4(0, 0, 0, 0);
+    }
+    fence_proxy_async();  // the stores above are read by wgmma
+    named_barrier_sync(kKTailBarrier + consumer, 128);
+  }
 };
+using dkdv_pass = dkdv_pass_t<false>;
+using dkdvq_pass = dkdv_pass_t<true>;
+
+// dQ = scale x the float32 sums of the dK, dV kernel with dQ (chunks of dq_chunk_coords' order),
+// rows past Lq skipped.
+template <int kD>
+__global__ void dq_from_sums(const backward_params bp) {
+  const kernel_params& p = bp.fwd;
+  constexpr int kChunk4 = kDqChunkFloats<kD> / 4;
+  const std::int64_t tiles_q = (p.len_q + kBwdRows - 1) / kBwdRows;
+  const std::int64_t total = p.batch * p.heads_q * tiles_q * kChunk4;
+  const float4* sums = reinterpret_cast<const float4*>(bp.dq_sums);
+  for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t chunk = i / kChunk4;
+    const int f = static_cast<int>(i % kChunk4);
+    const std::int64_t tile = chunk % tiles_q, bh = chunk / tiles_q;
+    const std::int64_t h = bh % p.heads_q, b = bh / p.heads_q;
+    const float4 v = sums[i];
+    const float x[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const dq_coords at = dq_chunk_coords(f, e);
+      const std::int64_t row = tile * kBwdRows + at.row;
+      if (row >= p.len_q) continue;
+      store_elem(bp.dq,
+                 b * bp.dq_stride[0] + h * bp.dq_stride[1] + row * bp.dq_stride[2] +
+                     at.col * bp.dq_stride[3],
+                 p.scale * x[e], bp.grad_out);
+    }
+  }
+}
 
 // --- dQ ----------------------------------------------------------------------------------------
 
@@ -554,28 +748,44 @@ cudaError_t make_maps(bwd_maps& m, const backward_params& bp, elem input, int kD
   return e;
 }
 
-template <class T, int kD>
-cudaError_t launch(const backward_params& bp, elem input, cudaStream_t stream) {
+// The dK, dV pass of `Pass`, then dQ: scaled from the sums the dK, dV kernel with dQ left
+// (dkdvq_pass), or by its own pass.
+template <class Pass, class T, int kD>
+cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t stream) {
   const kernel_params& p = bp.fwd;
   hopper_bwd_params hp{};
   hp.bp = bp;
-  constexpr int kDkdvSmem = dkdv_layout<kD>::kSmemBytes;
+  constexpr bool kSums = std::is_same_v<Pass, dkdvq_pass>;
+  constexpr int kDkdvSmem = Pass::template layout<kD>::kSmemBytes;
   constexpr int kDqSmem = dq_layout<kD>::kSmemBytes;
-  cudaError_t e = cudaFuncSetAttribute(hopper_bwd_kernel<dkdv_pass, T, kD>,
+  cudaError_t e = cudaFuncSetAttribute(hopper_bwd_kernel<Pass, T, kD>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kDkdvSmem);
-  if (e == cudaSuccess) {
-    e = cudaFuncSetAttribute(hopper_bwd_kernel<dq_pass, T, kD>,
-                             cudaFuncAttributeMaxDynamicSharedMemorySize, kDqSmem);
+  if constexpr (!kSums) {
+    if (e == cudaSuccess) {
+      e = cudaFuncSetAttribute(hopper_bwd_kernel<dq_pass, T, kD>,
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, kDqSmem);
+    }
   }
   if (e != cudaSuccess) return e;
+  const bool queries = p.len_q > 0 && p.heads_q > 0 && p.batch > 0;
+  if (kSums && queries) {
+    e = cudaMemsetAsync(bp.dq_sums, 0, hopper_dq_sums_bytes(p.batch, p.heads_q, p.len_q, kD),
+                        stream);
+    if (e != cudaSuccess) return e;
+  }
   if (p.len_k > 0 && p.heads_k > 0 && p.batch > 0) {
     e = make_maps(hp.maps, bp, input, kD, kBwdRows, kBwdKeys);
     if (e != cudaSuccess) return e;
     const dim3 grid(static_cast<unsigned>((p.len_k + kBwdKeys - 1) / kBwdKeys),
                     static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
-    hopper_bwd_kernel<dkdv_pass, T, kD><<<grid, kThreads, kDkdvSmem, stream>>>(hp);
+    hopper_bwd_kernel<Pass, T, kD><<<grid, kThreads, kDkdvSmem, stream>>>(hp);
   }
-  if (p.len_q > 0 && p.heads_q > 0 && p.batch > 0) {
+  if (!queries) return cudaGetLastError();
+  if constexpr (kSums) {
+    const std::int64_t n4 = hopper_dq_sums_bytes(p.batch, p.heads_q, p.len_q, kD) / sizeof(float4);
+    const unsigned blocks = static_cast<unsigned>(n4 / 256 + 1 < 8192 ? n4 / 256 + 1 : 8192);
+    dq_from_sums<kD><<<blocks, 256, 0, stream>>>(bp);
+  } else {
     e = make_maps(hp.maps, bp, input, kD, kBwdQRows, kBwdQKeysFor<kD>);
     if (e != cudaSuccess) return e;
     const dim3 grid(static_cast<unsigned>((p.len_q + kBwdQRows - 1) / kBwdQRows),
@@ -583,6 +793,16 @@ cudaError_t launch(const backward_params& bp, elem input, cudaStream_t stream) {
     hopper_bwd_kernel<dq_pass, T, kD><<<grid, kThreads, kDqSmem, stream>>>(hp);
   }
   return cudaGetLastError();
+}
+
+// D = 128 with dQ's sums in the workspace (not deterministic): dQ inside the dK, dV kernel;
+// otherwise (and at D = 64) dQ by its own pass.
+template <class T, int kD>
+cudaError_t launch(const backward_params& bp, elem input, cudaStream_t stream) {
+  if constexpr (kD == 128) {
+    if (bp.dq_sums != nullptr) return launch_passes<dkdvq_pass, T, kD>(bp, input, stream);
+  }
+  return launch_passes<dkdv_pass, T, kD>(bp, input, stream);
 }
 
 }  // namespace

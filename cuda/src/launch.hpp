@@ -2,6 +2,7 @@
 // The boundary between the host wrapper (attention.cpp) and the kernels (*.cu): plain data
 // only, no xtensor, includable from both compilers.
 
+#include <cstddef>
 #include <cstdint>
 
 #include <cuda_runtime_api.h>
@@ -97,7 +98,21 @@ struct backward_params {
   row_store dq_store = row_store::elementwise;  // row_store_of each gradient
   row_store dk_store = row_store::elementwise;
   row_store dv_store = row_store::elementwise;
+  // Non-null: the Hopper backward at D = 128 forms dQ inside its dK, dV kernel and adds each
+  // key tile's part to these float32 sums (in any order: not bitwise deterministic), then
+  // scales them into dq; hopper_dq_sums_bytes of workspace after Delta, zeroed by the launch.
+  float* dq_sums = nullptr;
 };
+
+// The non-deterministic Hopper backward's dQ sums for (B, Hq, Lq) queries of head dim d, in
+// bytes: one chunk of 64 rows x d floats per query tile (0 where its dQ has a pass of its own).
+inline constexpr std::int64_t kHopperDqRows = 64;
+inline std::size_t hopper_dq_sums_bytes(std::int64_t batch, std::int64_t heads_q,
+                                        std::int64_t len_q, std::int64_t head_dim) {
+  if (head_dim != 128) return 0;
+  const std::int64_t tiles = (len_q + kHopperDqRows - 1) / kHopperDqRows;
+  return std::size_t(batch * heads_q * tiles * kHopperDqRows * head_dim) * sizeof(float);
+}
 
 // Delta = rowsum(dO ∘ O) into p.delta: every backward runs it first.
 cudaError_t launch_backward_delta(const backward_params& p, cudaStream_t stream);

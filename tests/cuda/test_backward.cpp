@@ -336,17 +336,19 @@ void upload_forward(device_memory& mem, fc::device_backward_problem& dp,
 
 }  // namespace
 
-TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, a workspace",
-          "[cuda][backward][race]") {
-  problem_shape s;
-  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 200, s.Lk = 333, s.D = s.Dv = GENERATE(64, 128);
-  s.causal = causal_mode::bottom_right, s.use_kv_len = true;
-  // The caller's workspace, or none: the entry then allocates it on the stream.
-  const bool caller_workspace = GENERATE(true, false);
-  const fc::kernel_choice kernel =
-      GENERATE(fc::kernel_choice::tensor_core, fc::kernel_choice::hopper);
-  if (kernel == fc::kernel_choice::hopper && !hopper_backward_device()) return;
-  CAPTURE(s.describe(), caller_workspace, name_of(kernel));
+namespace {
+
+// What check_device_entry saw: the workspace the entry needed and the gradients it wrote.
+struct device_entry_result {
+  std::size_t workspace = 0;
+  std::vector<float> dq, dk, dv;
+};
+
+// The device entry on `s` (bf16 in and out, [B, L, H, D], a stream; the caller's workspace or
+// the entry's own), judged against the golden gradients.
+device_entry_result check_device_entry(const problem_shape& s, fc::kernel_choice kernel,
+                                       bool caller_workspace, bool deterministic) {
+  CAPTURE(s.describe(), caller_workspace, name_of(kernel), deterministic);
   problem_data d = flashref::test::build({"device entry", s, 72}, input_dtype::bfloat16);
   fc::attention(d.problem());  // O, LSE in float32 on the host
   flashref::test::add_upstream_gradient(d, 72);
@@ -366,8 +368,26 @@ TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, 
   fc::device_backward_problem dp;
   const input_dtype bf = input_dtype::bfloat16;
   upload_forward(mem, dp, p);
-  std::vector<std::int32_t> kv_len(p.kv_len, p.kv_len + s.B);
-  dp.forward.kv_len = static_cast<const std::int32_t*>(mem.upload(kv_len));
+  if (p.kv_len != nullptr) {
+    std::vector<std::int32_t> kv_len(p.kv_len, p.kv_len + s.B);
+    dp.forward.kv_len = static_cast<const std::int32_t*>(mem.upload(kv_len));
+  }
+  dp.forward.window_left = p.window_left;
+  dp.forward.window_right = p.window_right;
+  if (p.has_block_mask()) {  // a dense copy on the device
+    const auto& bm = p.block_mask;
+    std::vector<std::uint8_t> mask;
+    for (std::int64_t b = 0; b < bm.shape[0]; ++b)
+      for (std::int64_t h = 0; h < bm.shape[1]; ++h)
+        for (std::int64_t i = 0; i < bm.shape[2]; ++i)
+          for (std::int64_t j = 0; j < bm.shape[3]; ++j)
+            mask.push_back(bm(b, h, i, j));
+    const std::array<std::int64_t, 4> stride{bm.shape[1] * bm.shape[2] * bm.shape[3],
+                                             bm.shape[2] * bm.shape[3], bm.shape[3], 1};
+    dp.forward.block_mask = {static_cast<const std::uint8_t*>(mem.upload(mask)), bm.shape, stride};
+    dp.forward.block_q = p.block_q;
+    dp.forward.block_k = p.block_k;
+  }
   dp.forward.kernel = kernel;
   dp.d_o = blhd_tensor(mem.upload(blhd_bits(g.d_o)), bf, g.d_o.shape);
   const auto out = [&](const std::array<std::int64_t, 4>& shape) {
@@ -377,8 +397,10 @@ TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, 
   dp.d_q = out(g.dq.shape);
   dp.d_k = out(g.dk.shape);
   dp.d_v = out(g.dv.shape);
+  dp.deterministic = deterministic;
+  const std::size_t workspace = fc::backward_workspace_bytes(dp);
   if (caller_workspace) {
-    dp.workspace_bytes = fc::backward_workspace_bytes(dp);
+    dp.workspace_bytes = workspace;
     dp.workspace = mem.alloc(dp.workspace_bytes);
   }
   REQUIRE(std::string(fc::backward_kernel_for(dp)) == name_of(kernel));
@@ -403,6 +425,49 @@ TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, 
   fetch(dp.d_v, g.dv);
   FLASHREF_REQUIRE_GRADIENTS_CONFORM(
       flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+  return {workspace, as_vector(d.dq), as_vector(d.dk), as_vector(d.dv)};
+}
+
+}  // namespace
+
+TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, a workspace",
+          "[cuda][backward][race]") {
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 200, s.Lk = 333, s.D = s.Dv = GENERATE(64, 128);
+  s.causal = causal_mode::bottom_right, s.use_kv_len = true;
+  // The caller's workspace, or none: the entry then allocates it on the stream.
+  const bool caller_workspace = GENERATE(true, false);
+  const fc::kernel_choice kernel =
+      GENERATE(fc::kernel_choice::tensor_core, fc::kernel_choice::hopper);
+  if (kernel == fc::kernel_choice::hopper && !hopper_backward_device()) return;
+  // Not deterministic: below the lengths where the hopper kernel forms dQ beside dK and dV,
+  // the same kernels (and the same workspace) run.
+  const bool deterministic = GENERATE(true, false);
+  REQUIRE(check_device_entry(s, kernel, caller_workspace, deterministic).workspace > 0);
+}
+
+TEST_CASE("cuda backward: the non-deterministic hopper dQ, beside dK and dV",
+          "[cuda][backward][race]") {
+  if (!hopper_backward_device()) return;
+  // Long enough for the hopper kernel at D = 128 to form dQ beside dK and dV (Lk >= 4096; 16384
+  // with a block mask); kv_len cuts a block's keys (its K rows past kv_len zeroed), GQA, the
+  // window moving the first key tile each query tile sees.
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 130, s.D = s.Dv = 128;
+  const int shape = GENERATE(0, 1, 2);
+  if (shape == 0) s.Lk = 4100, s.causal = causal_mode::bottom_right, s.use_kv_len = true;
+  if (shape == 1) s.Lk = 4500, s.window_left = 2000, s.window_right = 100;
+  if (shape == 2) s.B = 1, s.Lk = 16400, s.block_q = 64, s.block_k = 96, s.block_density = 0.3;
+  const bool caller_workspace = shape != 1;  // the entry's own workspace once
+  const device_entry_result sums =
+      check_device_entry(s, fc::kernel_choice::hopper, caller_workspace, false);
+  const device_entry_result pass =
+      check_device_entry(s, fc::kernel_choice::hopper, caller_workspace, true);
+  // The float32 sums (B x Hq x 192 rows x 128 floats) are what the workspace gained.
+  REQUIRE(sums.workspace == pass.workspace + std::size_t(s.B * s.Hq * 192 * 128) * sizeof(float));
+  // dK and dV come from the same steps in the same order either way: the same bits.
+  REQUIRE(same_bits(sums.dk, pass.dk));
+  REQUIRE(same_bits(sums.dv, pass.dv));
 }
 
 // The gradients' layout decides how they are stored (16-byte pieces of whole columns where

@@ -155,6 +155,22 @@ expect "bench-gpu-ab: a NaN at a point is flagged and fails the comparison" 1 "\
 expect "bench-gpu-ab: B as a bare flashref executable, run with A's libraries" 0 \
   "\\| forward \\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 100.0 \\| 110.0 \\| 1.100 \\| none \\|" \
   -- "$ab" "$work/ab-out5" "$work/ab-a" "$work/ab-b/bin/flashref" --rounds 1 -- --lengths 1024
+# One build, two modes: a pack that reports 130 TFLOP/s when it is given --fast, else 100.
+mkdir -p "$work/ab-m/bin" "$work/ab-m/lib"
+cat >"$work/ab-m/bin/flashref" <<'STUB'
+#!/bin/sh
+# bench-gpu --json FILE ...: one record, faster with --fast
+out=$3
+rate=100
+for a in "$@"; do [ "$a" = --fast ] && rate=130; done
+echo "[{\"backend\": \"cuda\", \"D\": 128, \"Lq\": 1024, \"mask\": \"dense\", \"density\": 0, \"dtype\": \"bfloat16\", \"kernel\": \"hopper\", \"tflops\": $rate, \"nan_count\": 0, \"empty_rows_bad\": 0}]" >"$out"
+STUB
+chmod +x "$work/ab-m/bin/flashref"
+expect "bench-gpu-ab: --b-args go to B's runs alone" 0 \
+  "\\| forward \\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 100.0 \\| 130.0 \\| 1.300 \\| none \\|" \
+  -- "$ab" "$work/ab-out6" "$work/ab-m" "$work/ab-m" --rounds 1 --b-args=--fast -- --lengths 1024
+expect "bench-gpu-ab with unbalanced --b-args" 2 "--b-args: expected arguments as a shell would split them" \
+  -- "$ab" "$work/ab-out7" "$work/ab-m" "$work/ab-m" --b-args "'--fast"
 stub "$work/ab-fail/bin" flashref 3 "bench-gpu failed"
 mkdir -p "$work/ab-fail/lib"
 expect "bench-gpu-ab: a failing build fails the comparison" 1 "B round 1: exit 3" \

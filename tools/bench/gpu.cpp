@@ -25,7 +25,8 @@ struct gpu_bench_options {
   std::string dtype = "bfloat16";
   double seconds_per_point = 0.25;  // timed repetitions per point fill about this long
   std::uint64_t seed = 2024;
-  bool backward = false;  // also time the backward at every point
+  bool backward = false;          // also time the backward at every point
+  bool nondeterministic = false;  // the backward's device_backward_problem::deterministic = false
 };
 
 void check(cudaError_t e, const char* what) {
@@ -233,6 +234,7 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
       bp.d_q = {d_q.get(), dt, shape, stride};
       bp.d_k = {d_k.get(), dt, shape, stride};
       bp.d_v = {d_v.get(), dt, shape, stride};
+      bp.deterministic = !opt.nondeterministic;
       bp.workspace_bytes = cuda::backward_workspace_bytes(bp);
       device_ptr workspace = device_alloc(bp.workspace_bytes);
       bp.workspace = workspace.get();
@@ -263,7 +265,8 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
           w.empty_rows_bad += (g == d_q.get() && empty && nonzero) ? 1 : 0;
         }
       }
-      w.note = "reps=" + std::to_string(reps) + " kernel=" + w.kernel;
+      w.note = "reps=" + std::to_string(reps) + " kernel=" + w.kernel +
+               (opt.nondeterministic ? " nondeterministic" : "");
       print_row(table, w, "backward");
       results.push_back(std::move(w));
     }
@@ -293,6 +296,9 @@ void add_bench_gpu(CLI::App& app, exit_slot status) {
   cmd->add_option("--json", *json, "write the records as JSON to this file");
   cmd->add_flag("--backward", opt->backward,
                 "also time the backward at every point (SPEC §9: 2.5 x the forward's FLOPs)");
+  cmd->add_flag("--nondeterministic", opt->nondeterministic,
+                "the backward with dQ's sums in any order (device_backward_problem::"
+                "deterministic = false)");
   cmd->callback([opt, json, status]() {
     check_output_path(*json);
     const std::vector<bench_record> results = run_grid(*opt, stdout);

@@ -117,6 +117,39 @@ struct bwd_barriers {
 using dkdv_barriers = bwd_barriers<32, 128 * kConsumers>;
 using dq_barriers = bwd_barriers<1, 4 * kConsumers>;
 
+// --- dQ inside the dK, dV kernel (D = 128, not deterministic) -----------------------------------
+// Without the two products the dQ kernel recomputes, each query tile's dQ = dS K over the block's
+// 128 keys is formed where dS is: the consumers store dSᵀ (bf16 / fp16) to shared memory,
+// consumer c takes columns [64 c, 64 c + 64) of dS K (wgmma, both operands MN-major), and the
+// tile's 64 x D floats go to float32 sums in global memory (backward_params::dq_sums) by one
+// bulk reduction of the copy engine, issued by one consumer thread. The key tiles of a query tile
+// add in the order they finish, so the sums are not bitwise repeatable; a last kernel scales them
+// into dQ. (Key tiles taking turns in a fixed order were measured and lost to the dQ pass:
+// cuda/NOTES.md.)
+
+// Named barriers of the two consumer warpgroups (0 is __syncthreads).
+inline constexpr int kDsBarrier = 1;     // both consumers' dSᵀ stored
+inline constexpr int kDqBarrier = 2;     // both consumers' halves of the dQ chunk stored
+inline constexpr int kKTailBarrier = 3;  // 3 + c: consumer c's zeroed K rows stored
+
+// One query tile's accumulator chunk: kBwdRows x kD floats in the order the consumers hold
+// them, float4 f = (64-column half c, register group g, thread t) at ((c 8 + g) 128 + t), its
+// four floats registers 4 g .. 4 g + 3 of that thread's m64n64 accumulator. The consumers store
+// and the writer adds 16 contiguous bytes per thread; dq_chunk_coords maps a float back.
+template <int kD>
+inline constexpr int kDqChunkFloats = kBwdRows* kD;
+__host__ __device__ inline int dq_chunk_float4(int c, int g, int t) {
+  return (c * 8 + g) * 128 + t;
+}
+// Row and column (within the query tile) of float e (0..3) of float4 f of a chunk.
+struct dq_coords {
+  int row, col;
+};
+__host__ __device__ inline dq_coords dq_chunk_coords(int f, int e) {
+  const int t = f % 128, g = (f / 128) % 8, c = f / (8 * 128);
+  return {16 * (t / 32) + (t % 32) / 4 + 8 * (e / 2), 64 * c + 8 * g + 2 * (t % 4) + e % 2};
+}
+
 // What the elementwise steps need of query row i: its LSE as the base of its probabilities'
 // exponent, pre-multiplied by log2 e, and its Delta. The base is the reference's guard,
 // exp_base, so that an empty row's LSE = −inf gives base 0 (never −inf − (−inf)); every pair of

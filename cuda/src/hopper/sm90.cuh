@@ -78,6 +78,30 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// --- named barriers and bulk reductions ------------------------------------------------------
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `count` threads, a multiple of 32.
+__device__ __forceinline__ void named_barrier_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+// dst[0 .. bytes / 4) += src[...] (float32), by the bulk copy engine; commit and wait below.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* s_src, unsigned bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst),
+      "r"(smem_addr(s_src)), "r"(bytes)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+// The committed bulk operations have read their shared-memory source.
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory");
+}
+// The committed bulk operations are complete (their writes performed).
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
+}
 // --- registers -------------------------------------------------------------------------------
 
 // Lowers (dec) or raises (inc) this warpgroup's per-thread register budget.
@@ -96,6 +120,17 @@ __device__ __forceinline__ void setmaxnreg_inc() {
 struct block_ids {
   unsigned x, y, z, tid;
 };
+// This thread's index in the block and its lane, read the same way.
+__device__ __forceinline__ unsigned read_tid() {
+  unsigned tid;
+  asm volatile("mov.u32 %0, %%tid.x;\n" : "=r"(tid));
+  return tid;
+}
+__device__ __forceinline__ unsigned read_lane() {
+  unsigned lane;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+  return lane;
+}
 __device__ __forceinline__ block_ids read_block_ids() {
   block_ids ids;
   asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(ids.x));

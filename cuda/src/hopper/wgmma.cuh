@@ -7,6 +7,7 @@
 //
 //   wgmma_ss: D (64 x N) (+)= A (64 x 16, shared memory) * B (16 x N, shared memory), both
 //             K-major (Q K^T: Q rows and K rows hold the head dim contiguously).
+//   wgmma_ss_n64_mn: the same, both MN-major (the backward's dQ = dS K from dSᵀ and K tiles).
 //   wgmma_rs: D (64 x N) += A (64 x 16, registers, the mma.sync A-fragment layout per warp)
 //             * B (16 x N, shared memory, MN-major: V rows hold the head dim contiguously).
 //
@@ -76,14 +77,16 @@ __device__ __forceinline__ void fence_operands(float (&d)[kN]) {
       "{" FLASHREF_WGMMA_D64_REGS "}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
       : FLASHREF_WGMMA_D64_OPS                                       \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-// ss, N = 64: the same with a 64-column B (the backward's products over 64 rows or keys).
-#define FLASHREF_WGMMA_SS_N64(TY)                                    \
-  asm volatile(                                                      \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                   \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY        \
-      " "                                                            \
-      "{" FLASHREF_WGMMA_D32_REGS "}, %32, %33, p, 1, 1, 0, 0;\n}\n" \
-      : FLASHREF_WGMMA_D32_OPS                                       \
+// ss, N = 64: the same with a 64-column B (the backward's products over 64 rows or keys);
+// TRANS "0, 0" for K-major A and B, "1, 1" for both MN-major (the backward's dQ = dS K, dS
+// stored key-major and K's rows holding the head dim).
+#define FLASHREF_WGMMA_SS_N64(TY, TRANS)                                  \
+  asm volatile(                                                           \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                        \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY             \
+      " "                                                                 \
+      "{" FLASHREF_WGMMA_D32_REGS "}, %32, %33, p, 1, 1, " TRANS ";\n}\n" \
+      : FLASHREF_WGMMA_D32_OPS                                            \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 // rs: D += A B, A (four registers) from registers. A_REGS, DESC and PRED name the operands
 // that follow the accumulator's.
@@ -112,9 +115,21 @@ template <class T>
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], std::uint64_t desc_a,
                                              std::uint64_t desc_b, int scale_d) {
   if constexpr (std::is_same_v<T, __half>) {
-    FLASHREF_WGMMA_SS_N64("f16");
+    FLASHREF_WGMMA_SS_N64("f16", "0, 0");
   } else {
-    FLASHREF_WGMMA_SS_N64("bf16");
+    FLASHREF_WGMMA_SS_N64("bf16", "0, 0");
+  }
+}
+
+// The same with both operands MN-major: A (64 x 16) stored as 16 rows of its 64 rows' values
+// (A's columns contiguous), B (16 x 64) as 16 rows of 64 columns.
+template <class T>
+__device__ __forceinline__ void wgmma_ss_n64_mn(float (&d)[32], std::uint64_t desc_a,
+                                                std::uint64_t desc_b, int scale_d) {
+  if constexpr (std::is_same_v<T, __half>) {
+    FLASHREF_WGMMA_SS_N64("f16", "1, 1");
+  } else {
+    FLASHREF_WGMMA_SS_N64("bf16", "1, 1");
   }
 }
 

@@ -49,9 +49,17 @@ struct device_backward_problem {
   // there after the kernels.
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
+  // true: bitwise the same gradients on every run (dQ by a pass of its own). false lets the
+  // hopper kernel at D = 128 form dQ beside dK and dV where that is faster (Lk >= 4096, or
+  // >= 16384 with a block mask), adding each key tile's part to float32 sums in whatever order
+  // the key tiles finish: on an H200 8-17 % faster there (cuda/NOTES.md, "b4.1"), dQ within the
+  // same tolerance but not bitwise repeatable; dK and dV unchanged. Elsewhere it changes nothing.
+  bool deterministic = true;
 };
 
-// Scratch the backward needs: Delta = rowsum(dO ∘ O), B·Hq·Lq floats.
+// Scratch the backward needs: Delta = rowsum(dO ∘ O), B·Hq·Lq floats, and where dQ is formed
+// beside dK and dV (deterministic = false) its float32 sums, B·Hq·Lq·D floats (Lq rounded up
+// to a multiple of 64).
 std::size_t backward_workspace_bytes(const device_backward_problem& p);
 
 // Device entry: validates shapes, dtypes and pointers on the host (check_device_memory), then
