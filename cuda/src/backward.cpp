@@ -112,7 +112,7 @@ bool dq_beside_dkdv(const device_backward_problem& p, kernel_kind kernel) {
 }
 
 // Delta (B·Hq·Lq floats), then, where dQ is formed beside dK and dV, its float32 sums
-// (launch.hpp: none at D = 64); `kernel` the one that runs p.
+// (launch.hpp: D = 64 and 128 only); `kernel` the one that runs p.
 std::size_t dq_sums_bytes(const device_backward_problem& p, kernel_kind kernel) {
   if (!dq_beside_dkdv(p, kernel)) return 0;
   const auto& q = p.forward.q.shape;

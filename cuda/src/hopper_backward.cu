@@ -176,19 +176,23 @@ struct bwd_layout {
 template <int kD>
 using dkdv_layout = bwd_layout<kBwdKeys, kBwdRows, kD>;
 
-// With dQ (D = 128): a buffer of dSᵀ (128 keys x 64 query columns, a box) and the chunk of dQ
-// the copy engine adds to the sums in global memory (kDqChunkFloats floats), past the last stage
-// of dO: 209 KiB in all at D = 128 with 3 stages. One dSᵀ buffer suffices: a consumer stores the
-// next tile's dSᵀ only after the hand-over of this tile's chunk (kDqBarrier), which each
-// consumer reaches after its own dS K product has completed.
+// With dQ: a buffer of dSᵀ (128 keys x 64 query columns, a box) and the chunk of dQ the copy
+// engine adds to the sums in global memory (kDqChunkFloats floats; at D = 64 one per consumer),
+// past the last stage of dO: 209 KiB in all at D = 128 with 3 stages. One dSᵀ buffer suffices:
+// a consumer stores the next tile's dSᵀ only after the hand-over of this tile's chunk, which
+// each consumer reaches after its own dS K product has completed (at D = 128 both meet there,
+// kDqBarrier; at D = 64 each reads only its own rows).
 template <int kD>
 struct dkdvq_layout : dkdv_layout<kD> {
   using ds_tile = box_tile<kBwdKeys, kBwdRows>;
+  static constexpr int kChunks = kDqOwnKeys<kD> ? kConsumers : 1;
   static constexpr int kSmemBytes =
-      dkdv_layout<kD>::kSmemBytes + ds_tile::kBytes + kDqChunkFloats<kD> * 4;
+      dkdv_layout<kD>::kSmemBytes + ds_tile::kBytes + kChunks * kDqChunkFloats<kD> * 4;
   __device__ unsigned char* ds() const { return this->stage(1, kBwdStages); }
-  __device__ float* dq() const {
-    return reinterpret_cast<float*>(this->stage(1, kBwdStages) + ds_tile::kBytes);
+  // Chunk c (0 at D = 128).
+  __device__ float* dq(int c) const {
+    return reinterpret_cast<float*>(this->stage(1, kBwdStages) + ds_tile::kBytes) +
+           c * kDqChunkFloats<kD>;
   }
 
   __device__ explicit dkdvq_layout(unsigned char* raw) : dkdv_layout<kD>(raw) {}
@@ -217,8 +221,9 @@ __device__ __forceinline__ void store_ds(unsigned char* ds, int key_row0,
   }
 }
 
-// acc (64 queries, columns [64 c, 64 c + 64)) = dS (64 x 128 keys, from the dSᵀ box) K (the
-// resident 128 keys, box c of the head dim) for consumer c: both operands MN-major.
+// For consumer c, both operands MN-major: at D = 128, acc (64 queries, columns [64 c, 64 c +
+// 64)) = dS (64 x 128 keys, from the dSᵀ box) K (the resident 128 keys, box c of the head dim);
+// at D = 64, acc (64 queries, 64 columns) = dS K over the consumer's own keys [64 c, 64 c + 64).
 template <class T, int kD>
 __device__ __forceinline__ void product_dq(float (&acc)[32], const unsigned char* ds,
                                            const unsigned char* k) {
@@ -227,14 +232,22 @@ __device__ __forceinline__ void product_dq(float (&acc)[32], const unsigned char
   // The consumer (warpgroup - 1) read in place: its 8 descriptors of K's box are then formed
   // here, not kept (and spilled) across the consumer's loop.
   const int c = static_cast<int>(read_tid() / 128) - 1;
+  if constexpr (kDqOwnKeys<kD>) {
 #pragma unroll
-  for (int kk = 0; kk < kBwdKeys / 16; ++kk) {
-    wgmma_ss_n64_mn<T>(acc, ds_tile::mn_major(ds, kk),
-                       k_tile::mn_major(k + c * k_tile::kBoxBytes, kk), kk > 0 ? 1 : 0);
+    for (int kk = 0; kk < 4; ++kk) {
+      wgmma_ss_n64_mn<T>(acc, ds_tile::mn_major(ds, 4 * c + kk), k_tile::mn_major(k, 4 * c + kk),
+                         kk > 0 ? 1 : 0);
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < kBwdKeys / 16; ++kk) {
+      wgmma_ss_n64_mn<T>(acc, ds_tile::mn_major(ds, kk),
+                         k_tile::mn_major(k + c * k_tile::kBoxBytes, kk), kk > 0 ? 1 : 0);
+    }
   }
 }
 
-// The dK, dV pass, with dQ folded in (kDq: D = 128) or not: its barriers, register split and
+// The dK, dV pass, with dQ folded in (kDq) or not: its barriers, register split and
 // layout, the producer warp and a consumer warpgroup (with kDq also adding dQ), as the kernel
 // template below takes them.
 template <bool kDq>
@@ -399,10 +412,15 @@ struct dkdv_pass_t {
       product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
       wgmma_commit();
       if constexpr (kDq) {
-        // The last tile's chunk read by the copy engine (add_dq) before anyone passes here.
-        // (The adding thread, 128, found afresh: a flag kept across the loop spilled.)
-        if (it > 0 && consumer == 0 && t == 0) bulk_wait_read();
-        named_barrier_sync(kDsBarrier, 128 * kConsumers);
+        // The last tile's chunk read by the copy engine (add_dq) before anyone passes here,
+        // and the dSᵀ rows stored: both consumers' at D = 128, this one's at D = 64.
+        if constexpr (kDqOwnKeys<kD>) {
+          if (it > 0 && t == 0) bulk_wait_read();
+          named_barrier_sync(kOwnDsBarrier + consumer, 128);
+        } else {
+          if (it > 0 && consumer == 0 && t == 0) bulk_wait_read();
+          named_barrier_sync(kDsBarrier, 128 * kConsumers);
+        }
       }
       wgmma_wait<0>();
       fence_operands(rdV);
@@ -410,9 +428,10 @@ struct dkdv_pass_t {
       fence_fragments(aP);
       fence_fragments(adS);
 
-      // dQ's columns [64 consumer, + 64) = dS K once both consumers' dSᵀ are stored (and this
-      // one's fragments free: with dK, dV, Pᵀ and dSᵀ live as well, ptxas spills). The stage is
-      // released after the hand-over, whose tile and head come from its descriptor.
+      // dQ's columns [64 consumer, + 64) = dS K once both consumers' dSᵀ are stored (D = 128;
+      // at D = 64 dQ over this consumer's keys), and this one's fragments free (with dK, dV, Pᵀ
+      // and dSᵀ live as well, ptxas spills). The stage is released after the hand-over, whose
+      // tile and head come from its descriptor.
       if constexpr (kDq) {
         float rdQ[32];
         wgmma_fence();
@@ -425,7 +444,8 @@ struct dkdv_pass_t {
       bar.release(s);
     }
     if constexpr (kDq) {  // every addition performed before the block ends
-      if (read_tid() == 128) bulk_wait();
+      const unsigned tid = read_tid();
+      if (tid == 128 || (kDqOwnKeys<kD> && tid == 256)) bulk_wait();
     }
     // Both gradients in 16-byte stores of whole columns where their rows allow (store.cuh):
     // element by element, dK and dV at D = 128 wrote 2-byte pieces of 8 rows per warp store,
@@ -441,10 +461,11 @@ struct dkdv_pass_t {
   }
 
   // This thread's 32 floats of the query tile's dQ into the chunk buffer, then (once both
-  // consumers' are there) one thread adds the chunk to the tile's float32 sums by a bulk
-  // reduction of the copy engine. The buffer is reused a tile later: the adding thread waits
-  // for the engine to have read it before the next tile's first barrier (kDsBarrier), which
-  // every thread passes before it writes the buffer again.
+  // consumers' are there; at D = 64 each consumer's own chunk, once its own are there) one
+  // thread adds the chunk to the tile's float32 sums by a bulk reduction of the copy engine. The
+  // buffer is reused a tile later: the adding thread waits for the engine to have read it before
+  // the next tile's first barrier (kDsBarrier, kOwnDsBarrier), which every thread passes before
+  // it writes the buffer again.
   // `slot`: the tile's stage descriptor, still held (read here by the adding thread alone:
   // tile and head kept in registers from the top of the loop made ptxas spill).
   template <int kD>
@@ -453,15 +474,20 @@ struct dkdv_pass_t {
     const kernel_params& p = hp.bp.fwd;
     // Read in place, not hoisted (the chunk's addresses would be kept and spilled).
     const int t = static_cast<int>(read_tid() % 128);
-    float4* chunk = reinterpret_cast<float4*>(smem.dq());
+    constexpr bool kOwn = kDqOwnKeys<kD>;
+    float4* chunk = reinterpret_cast<float4*>(smem.dq(kOwn ? consumer : 0));
 #pragma unroll
     for (int g = 0; g < 8; ++g) {
-      chunk[dq_chunk_float4(consumer, g, t)] =
+      chunk[dq_chunk_float4(kOwn ? 0 : consumer, g, t)] =
           make_float4(acc[4 * g], acc[4 * g + 1], acc[4 * g + 2], acc[4 * g + 3]);
     }
     fence_proxy_async();  // the stores above are read by the copy engine
-    named_barrier_sync(kDqBarrier, 128 * kConsumers);
-    if (consumer == 0 && t == 0) {
+    if constexpr (kOwn) {
+      named_barrier_sync(kOwnDqBarrier + consumer, 128);
+    } else {
+      named_barrier_sync(kDqBarrier, 128 * kConsumers);
+    }
+    if ((kOwn || consumer == 0) && t == 0) {
       const bwd_stage_info info = slot;
       const std::int64_t tiles_q = (p.len_q + kBwdRows - 1) / kBwdRows;
       const std::int64_t n = (blockIdx.z * p.heads_q + info.head) * tiles_q + info.tile;
@@ -474,7 +500,7 @@ struct dkdv_pass_t {
   // zero once K has landed, each consumer its own 64 rows: they meet dS = 0 in dQ = dS K, as in
   // the dQ kernel (TMA itself zero-fills rows past Lk). Sᵀ reads only the consumer's rows (its
   // warps' stores ordered by a barrier of the warpgroup); dQ = dS K reads both halves after
-  // kDsBarrier.
+  // kDsBarrier (at D = 64 its own half, after kOwnDsBarrier).
   template <int kD>
   __device__ static void zero_k_tail(const hopper_bwd_params& hp, const layout<kD>& smem,
                                      int consumer) {
@@ -795,11 +821,11 @@ cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t st
   return cudaGetLastError();
 }
 
-// D = 128 with dQ's sums in the workspace (not deterministic): dQ inside the dK, dV kernel;
-// otherwise (and at D = 64) dQ by its own pass.
+// With dQ's sums in the workspace (not deterministic; D = 64 and 128): dQ inside the dK, dV
+// kernel; otherwise dQ by its own pass.
 template <class T, int kD>
 cudaError_t launch(const backward_params& bp, elem input, cudaStream_t stream) {
-  if constexpr (kD == 128) {
+  if constexpr (kD == 64 || kD == 128) {
     if (bp.dq_sums != nullptr) return launch_passes<dkdvq_pass, T, kD>(bp, input, stream);
   }
   return launch_passes<dkdv_pass, T, kD>(bp, input, stream);

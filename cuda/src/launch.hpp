@@ -98,7 +98,7 @@ struct backward_params {
   row_store dq_store = row_store::elementwise;  // row_store_of each gradient
   row_store dk_store = row_store::elementwise;
   row_store dv_store = row_store::elementwise;
-  // Non-null: the Hopper backward at D = 128 forms dQ inside its dK, dV kernel and adds each
+  // Non-null: the Hopper backward (D = 64, 128) forms dQ inside its dK, dV kernel and adds each
   // key tile's part to these float32 sums (in any order: not bitwise deterministic), then
   // scales them into dq; hopper_dq_sums_bytes of workspace after Delta, zeroed by the launch.
   float* dq_sums = nullptr;
@@ -109,7 +109,7 @@ struct backward_params {
 inline constexpr std::int64_t kHopperDqRows = 64;
 inline std::size_t hopper_dq_sums_bytes(std::int64_t batch, std::int64_t heads_q,
                                         std::int64_t len_q, std::int64_t head_dim) {
-  if (head_dim != 128) return 0;
+  if (head_dim != 64 && head_dim != 128) return 0;
   const std::int64_t tiles = (len_q + kHopperDqRows - 1) / kHopperDqRows;
   return std::size_t(batch * heads_q * tiles * kHopperDqRows * head_dim) * sizeof(float);
 }

@@ -287,6 +287,7 @@ def attention_backward(
     kv_len: Any = None,
     backend: str = "auto",
     layout: str = "bhld",
+    deterministic: bool = True,
 ):
     """The backward pass: the gradients of ``sum(O * dO)`` with respect to q, k and v.
 
@@ -302,6 +303,12 @@ def attention_backward(
     backend : {"auto", "reference", "cpu", "cuda"}
         ``"auto"`` runs CUDA tensors on the CUDA backend (the only one that takes device
         memory) and host memory on the first available backend with a backward pass.
+    deterministic : bool
+        ``True`` (the default): the same gradient bits on every run. ``False`` lets the CUDA
+        backward on compute capability 9.0 (bf16 / fp16, D = 64 or 128, from 4096 keys; 16384
+        with a block mask) form dQ beside dK and dV and add the key tiles' parts in whatever
+        order they finish: faster there (docs/backends.md), dQ within the same tolerance but
+        not bitwise repeatable, dK and dV unchanged. Elsewhere it changes nothing.
 
     Returns
     -------
@@ -335,24 +342,24 @@ def attention_backward(
             block_mask, kv_len = _numpy_masks(block_mask, kv_len)
         return _core.attention_backward(
             q, k, v, o, lse, do, scale, causal_s, left, right, block_mask, block_q, block_k,
-            kv_len, backend_s, blhd, 0,
+            kv_len, backend_s, blhd, bool(deterministic), 0,
         )
     if _is_torch(q):
         return _attention_backward_torch(
             q, k, v, o, lse, do, scale, causal_s, left, right, block_mask, block_q, block_k,
-            kv_len, backend_s, blhd,
+            kv_len, backend_s, blhd, bool(deterministic),
         )
     raise TypeError(f"q: expected a numpy array or a torch tensor, got {type(q).__name__}")
 
 
 def _attention_backward_torch(q, k, v, o, lse, do, scale, causal_s, left, right, block_mask,
-                              block_q, block_k, kv_len, backend_s, blhd):
+                              block_q, block_k, kv_len, backend_s, blhd, deterministic=True):
     # dq, dk, dv allocated by the core as O is (_torch_dtypes); on a CUDA device the device entry,
     # in place, on the caller's current stream of q's device.
     if block_mask is not None or kv_len is not None:
         block_mask, kv_len = _torch_masks(q, block_mask, kv_len)
     args = (q, k, v, o, lse, do, scale, causal_s, left, right, block_mask, block_q, block_k,
-            kv_len, backend_s, blhd)
+            kv_len, backend_s, blhd, deterministic)
     if q.is_cuda:
         return _on_device(q, _core.attention_backward, args)
     return _core.attention_backward(*args, 0)

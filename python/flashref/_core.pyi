@@ -67,7 +67,8 @@ def attention(
 def attention_backward(
     q: Any, k: Any, v: Any, o: Any, lse: Optional[Any], do: Any, scale: Optional[float],
     causal: str, window_left: int, window_right: int, block_mask: Optional[Any], block_q: int,
-    block_k: int, kv_len: Optional[Any], backend: str, blhd: bool, stream: int,
+    block_k: int, kv_len: Optional[Any], backend: str, blhd: bool, deterministic: bool,
+    stream: int,
 ) -> Tuple[Any, Any, Any]: ...
 def attention_into(
     q: Any, k: Any, v: Any, o: Any, lse: Optional[Any], scale: Optional[float], causal: str,
@@ -78,7 +79,7 @@ def attention_backward_into(
     q: Any, k: Any, v: Any, o: Any, lse: Optional[Any], do: Any, dq: Any, dk: Any, dv: Any,
     scale: Optional[float], causal: str, window_left: int, window_right: int,
     block_mask: Optional[Any], block_q: int, block_k: int, kv_len: Optional[Any], backend: str,
-    blhd: bool, stream: int,
+    blhd: bool, deterministic: bool, stream: int,
 ) -> str: ...
 def entry_seconds(
     q: Any, k: Any, v: Any, o: Any, lse: Optional[Any], scale: Optional[float], causal: str,

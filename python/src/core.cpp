@@ -580,11 +580,14 @@ void validate_device_backward(const call& c, const grads_call& g) {
 
 #if defined(FLASHREF_HAVE_CUDA)
 // Device memory: the CUDA backward's device entry on the caller's stream, over the caller's
-// tensors in place. Its workspace (Delta, B·Hq·Lq floats) is allocated and freed on that
-// stream by the entry (cudaMallocAsync).
+// tensors in place. Its workspace (Delta, B·Hq·Lq floats; dQ's float32 sums where
+// `deterministic` is false and the Hopper kernel forms dQ beside dK and dV) is allocated and
+// freed on that stream by the entry (cudaMallocAsync).
 void run_device_backward(const call& c, const grads_call& g, const device_dtypes& t,
-                         const device_gradient_dtypes& gt, std::uintptr_t stream) {
+                         const device_gradient_dtypes& gt, bool deterministic,
+                         std::uintptr_t stream) {
   cuda::device_backward_problem p;
+  p.deterministic = deterministic;
   fill_device_problem(p.forward, c, t);
   p.d_o = {const_cast<void*>(g.d_o.data()), gt.d_o};
   p.d_q = {const_cast<void*>(g.dq.data()), gt.grads};
@@ -608,7 +611,7 @@ const char* attention_backward_into(const array& q, const array& k, const array&
                                     const std::optional<array>& block_mask, std::int64_t block_q,
                                     std::int64_t block_k, const std::optional<array>& kv_len,
                                     const std::string& backend_name, bool blhd,
-                                    std::uintptr_t stream) {
+                                    bool deterministic, std::uintptr_t stream) {
   const call c = checked_call(q, k, v, o, lse, scale, causal, window_left, window_right, block_mask,
                               block_q, block_k, kv_len, blhd);
   const grads_call g{d_o, dq, dk, dv};
@@ -621,9 +624,10 @@ const char* attention_backward_into(const array& q, const array& k, const array&
     validate_device_backward(c, g);
 #if defined(FLASHREF_HAVE_CUDA)
     resolve(backend::cuda);  // built and a device present, or the reason why not
-    run_device_backward(c, g, t, gt, stream);
+    run_device_backward(c, g, t, gt, deterministic, stream);
 #else
     (void)gt;
+    (void)deterministic;
     (void)stream;
     resolve(backend::cuda);  // throws: names why the CUDA backend is unavailable
 #endif
@@ -869,7 +873,7 @@ nb::tuple attention_backward_alloc(nb::handle q, nb::handle k, nb::handle v, nb:
                                    const std::string& causal, std::int64_t window_left,
                                    std::int64_t window_right, nb::handle block_mask,
                                    std::int64_t block_q, std::int64_t block_k, nb::handle kv_len,
-                                   const std::string& backend_name, bool blhd,
+                                   const std::string& backend_name, bool blhd, bool deterministic,
                                    std::uintptr_t stream) {
   const frameworks f = frameworks_of(q);
   const array qa = import_array("q", q, f.torch);
@@ -889,7 +893,7 @@ nb::tuple attention_backward_alloc(nb::handle q, nb::handle k, nb::handle v, nb:
   const std::optional<array> lengths = import_optional("kv_len", kv_len, f.torch);
   attention_backward_into(qa, ka, va, oa, lsea, doa, dqa, dka, dva, scale, causal, window_left,
                           window_right, mask, block_q, block_k, lengths, backend_name, blhd,
-                          stream);
+                          deterministic, stream);
   return nb::make_tuple(dq, dk, dv);
 }
 
@@ -1079,7 +1083,7 @@ NB_MODULE(_core, m) {
         nb::arg("dk"), nb::arg("dv"), nb::arg("scale").none(), nb::arg("causal"),
         nb::arg("window_left"), nb::arg("window_right"), nb::arg("block_mask").none(),
         nb::arg("block_q"), nb::arg("block_k"), nb::arg("kv_len").none(), nb::arg("backend"),
-        nb::arg("blhd"), nb::arg("stream"));
+        nb::arg("blhd"), nb::arg("deterministic"), nb::arg("stream"));
   m.def("attention", &attention_alloc, nb::arg("q"), nb::arg("k"), nb::arg("v"),
         nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("block_mask").none(), nb::arg("block_q"), nb::arg("block_k"),
@@ -1089,7 +1093,7 @@ NB_MODULE(_core, m) {
         nb::arg("o"), nb::arg("lse").none(), nb::arg("do"), nb::arg("scale").none(),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("block_mask").none(), nb::arg("block_q"), nb::arg("block_k"),
-        nb::arg("kv_len").none(), nb::arg("backend"), nb::arg("blhd"), nb::arg("stream"));
+        nb::arg("kv_len").none(), nb::arg("backend"), nb::arg("blhd"), nb::arg("deterministic"), nb::arg("stream"));
   m.def("entry_seconds", &entry_seconds, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
         nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("block_mask").none(), nb::arg("block_q"),

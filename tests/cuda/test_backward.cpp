@@ -449,11 +449,12 @@ TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, 
 TEST_CASE("cuda backward: the non-deterministic hopper dQ, beside dK and dV",
           "[cuda][backward][race]") {
   if (!hopper_backward_device()) return;
-  // Long enough for the hopper kernel at D = 128 to form dQ beside dK and dV (Lk >= 4096; 16384
-  // with a block mask); kv_len cuts a block's keys (its K rows past kv_len zeroed), GQA, the
-  // window moving the first key tile each query tile sees.
+  // Long enough for the hopper kernel to form dQ beside dK and dV (Lk >= 4096; 16384 with a
+  // block mask); kv_len cuts a block's keys (its K rows past kv_len zeroed), GQA, the window
+  // moving the first key tile each query tile sees. D = 128 splits dQ's columns between the
+  // consumers, D = 64 its keys.
   problem_shape s;
-  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 130, s.D = s.Dv = 128;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 130, s.D = s.Dv = GENERATE(64, 128);
   const int shape = GENERATE(0, 1, 2);
   if (shape == 0) s.Lk = 4100, s.causal = causal_mode::bottom_right, s.use_kv_len = true;
   if (shape == 1) s.Lk = 4500, s.window_left = 2000, s.window_right = 100;
@@ -463,8 +464,8 @@ TEST_CASE("cuda backward: the non-deterministic hopper dQ, beside dK and dV",
       check_device_entry(s, fc::kernel_choice::hopper, caller_workspace, false);
   const device_entry_result pass =
       check_device_entry(s, fc::kernel_choice::hopper, caller_workspace, true);
-  // The float32 sums (B x Hq x 192 rows x 128 floats) are what the workspace gained.
-  REQUIRE(sums.workspace == pass.workspace + std::size_t(s.B * s.Hq * 192 * 128) * sizeof(float));
+  // The float32 sums (B x Hq x 192 rows x D floats) are what the workspace gained.
+  REQUIRE(sums.workspace == pass.workspace + std::size_t(s.B * s.Hq * 192 * s.D) * sizeof(float));
   // dK and dV come from the same steps in the same order either way: the same bits.
   REQUIRE(same_bits(sums.dk, pass.dk));
   REQUIRE(same_bits(sums.dv, pass.dv));

@@ -50,7 +50,7 @@ def backward(t, *, backend="automatic", blhd=False, causal="none", block_mask=No
     return _core.attention_backward_into(
         t["q"], t["k"], t["v"], t["o"], t["lse"], t["do"], t["dq"], t["dk"], t["dv"], None,
         causal, window[0], window[1], block_mask, block_size[0], block_size[1], kv_len, backend,
-        blhd, 0,
+        blhd, True, 0,
     )
 
 

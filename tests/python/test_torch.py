@@ -106,7 +106,7 @@ def test_outputs_are_new_tensors_on_q_s_device():
 
 def test_custom_op_is_well_formed():
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
-    args = (q, k, v, None, "bottom_right", -1, -1, None, 0, 0, None, "cpu", False)
+    args = (q, k, v, None, "bottom_right", -1, -1, None, 0, 0, None, "cpu", False, True)
     torch.library.opcheck(torch.ops.flashref.attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 
@@ -240,13 +240,34 @@ def test_autograd_under_torch_compile():
         torch.testing.assert_close(x.grad, e, rtol=1e-6, atol=1e-7)
 
 
+def test_deterministic_false_changes_nothing_on_the_cpu():
+    """Host backends are deterministic whatever is asked: the opt-in gives the same bits, through
+    flashref.attention_backward and through autograd."""
+    q, k, v, do = (torch.randn(1, 2, 48, 16, generator=torch.Generator().manual_seed(s))
+                   for s in range(4))
+    kw = {"causal": "bottom_right", "window": (20, None)}
+    o, lse = flashref.attention(q, k, v, **kw, return_lse=True)
+    want = flashref.attention_backward(q, k, v, o, lse, do, **kw)
+    got = flashref.attention_backward(q, k, v, o, lse, do, **kw, deterministic=False)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    got_np = flashref.attention_backward(*(x.numpy() for x in (q, k, v, o, lse, do)), **kw,
+                                         deterministic=False)
+    for g, w in zip(got_np, want):
+        assert np.array_equal(g, w.numpy())
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    flashref.torch.attention(*leaves, **kw, deterministic=False).backward(do)
+    for x, w in zip(leaves, want):
+        assert torch.equal(x.grad, w)
+
+
 def test_backward_op_is_well_formed():
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
     o, lse = flashref.attention(q, k, v, return_lse=True)
     args = (q, k, v, o, lse, torch.randn_like(o), None, "none", -1, -1, None, 0, 0, None, "cpu",
-            False)
+            False, True)
     torch.library.opcheck(torch.ops.flashref.attention_backward.default, args,
                           test_utils=("test_schema", "test_faketensor"))
-    fwd = (q.requires_grad_(), k, v, None, "none", -1, -1, None, 0, 0, None, "cpu", False)
+    fwd = (q.requires_grad_(), k, v, None, "none", -1, -1, None, 0, 0, None, "cpu", False, True)
     torch.library.opcheck(torch.ops.flashref.attention.default, fwd,
                           test_utils=("test_autograd_registration",))

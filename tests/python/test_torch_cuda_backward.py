@@ -129,6 +129,28 @@ def test_half_gradients_equal_the_cpu_within_spec9(dtype, D, masks):
         assert bool((grads[1][:, :, 96:] == 0).all()) and bool((grads[2][:, :, 96:] == 0).all())
 
 
+@pytest.mark.parametrize("D", [64, 128])
+def test_deterministic_false_on_long_keys(D):
+    """From 4096 keys the Hopper backward may form dQ beside dK and dV (deterministic=False):
+    dQ within SPEC §9 of the CPU's, dK and dV the default's bits; through autograd too."""
+    q, k, v, do = random_problem(torch.bfloat16, B=1, Hq=2, Hk=1, Lq=64, Lk=4160, D=D, Dv=D,
+                                 seed=20 + D)
+    kw = {"causal": "bottom_right", "kv_len": torch.tensor([4100], dtype=torch.int32,
+                                                            device="cuda")}
+    o, lse = flashref.attention(q, k, v, **kw, return_lse=True)
+    default = flashref.attention_backward(q, k, v, o, lse, do, **kw)
+    fast = flashref.attention_backward(q, k, v, o, lse, do, **kw, deterministic=False)
+    ref = cpu_backward(q, k, v, o, lse, do, **kw)
+    for name, got, want in zip(("dq", "dk", "dv"), fast, ref):
+        assert_spec9(got, want, torch.bfloat16, name)
+    torch.testing.assert_close(fast[1], default[1], rtol=0, atol=0)
+    torch.testing.assert_close(fast[2], default[2], rtol=0, atol=0)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    flashref.torch.attention(*leaves, **kw, deterministic=False).backward(do)
+    assert_spec9(leaves[0].grad, ref[0], torch.bfloat16, "dq (autograd)")
+    torch.testing.assert_close(leaves[1].grad, default[1], rtol=0, atol=0)
+
+
 def test_float32_o_and_do_with_half_inputs():
     """o and do may be float32 beside bfloat16 inputs (the SIMT kernel reads them)."""
     q, k, v, do = random_problem(torch.bfloat16, seed=3)
@@ -236,7 +258,7 @@ def test_autograd_under_torch_compile_on_cuda():
 def test_backward_op_is_well_formed_on_cuda():
     q, k, v, do = random_problem(torch.bfloat16, B=1, Hq=2, Hk=1, Lq=32, Lk=32, seed=8)
     o, lse = flashref.attention(q, k, v, return_lse=True)
-    args = (q, k, v, o, lse, do, None, "none", -1, -1, None, 0, 0, None, "cuda", False)
+    args = (q, k, v, o, lse, do, None, "none", -1, -1, None, 0, 0, None, "cuda", False, True)
     torch.library.opcheck(torch.ops.flashref.attention_backward.default, args,
                           test_utils=("test_schema", "test_faketensor"))
 

@@ -117,25 +117,35 @@ struct bwd_barriers {
 using dkdv_barriers = bwd_barriers<32, 128 * kConsumers>;
 using dq_barriers = bwd_barriers<1, 4 * kConsumers>;
 
-// --- dQ inside the dK, dV kernel (D = 128, not deterministic) -----------------------------------
+// --- dQ inside the dK, dV kernel (not deterministic) ----------------------------------------
 // Without the two products the dQ kernel recomputes, each query tile's dQ = dS K over the block's
-// 128 keys is formed where dS is: the consumers store dSᵀ (bf16 / fp16) to shared memory,
-// consumer c takes columns [64 c, 64 c + 64) of dS K (wgmma, both operands MN-major), and the
-// tile's 64 x D floats go to float32 sums in global memory (backward_params::dq_sums) by one
-// bulk reduction of the copy engine, issued by one consumer thread. The key tiles of a query tile
-// add in the order they finish, so the sums are not bitwise repeatable; a last kernel scales them
-// into dQ. (Key tiles taking turns in a fixed order were measured and lost to the dQ pass:
-// cuda/NOTES.md.)
+// 128 keys is formed where dS is: the consumers store dSᵀ (bf16 / fp16) to shared memory and
+// form dS K by wgmma (both operands MN-major), and the tile's 64 x D floats go to float32 sums
+// in global memory (backward_params::dq_sums) by bulk reductions of the copy engine, each issued
+// by one consumer thread. At D = 128 consumer c takes columns [64 c, 64 c + 64) over all 128
+// keys (so the two exchange their dSᵀ) and one reduction adds the tile's chunk; at D = 64 each
+// consumer takes all 64 columns over its own 64 keys (no exchange) and adds its own chunk. The
+// key tiles of a query tile add in the order they finish, so the sums are not bitwise
+// repeatable; a last kernel scales them into dQ. (Key tiles taking turns in a fixed order were
+// measured and lost to the dQ pass: cuda/NOTES.md.)
 
-// Named barriers of the two consumer warpgroups (0 is __syncthreads).
-inline constexpr int kDsBarrier = 1;     // both consumers' dSᵀ stored
-inline constexpr int kDqBarrier = 2;     // both consumers' halves of the dQ chunk stored
+// Named barriers of the consumer warpgroups (0 is __syncthreads).
+inline constexpr int kDsBarrier = 1;     // D = 128: both consumers' dSᵀ stored
+inline constexpr int kDqBarrier = 2;     // D = 128: both consumers' halves of the dQ chunk stored
 inline constexpr int kKTailBarrier = 3;  // 3 + c: consumer c's zeroed K rows stored
+inline constexpr int kOwnDsBarrier = 5;  // D = 64, 5 + c: consumer c's dSᵀ stored
+inline constexpr int kOwnDqBarrier = 7;  // D = 64, 7 + c: consumer c's dQ chunk stored
+
+// Whether each consumer forms dQ over its own keys and adds its own chunk (D = 64), or the two
+// split the columns of one chunk (D = 128).
+template <int kD>
+inline constexpr bool kDqOwnKeys = kD == 64;
 
 // One query tile's accumulator chunk: kBwdRows x kD floats in the order the consumers hold
 // them, float4 f = (64-column half c, register group g, thread t) at ((c 8 + g) 128 + t), its
-// four floats registers 4 g .. 4 g + 3 of that thread's m64n64 accumulator. The consumers store
-// and the writer adds 16 contiguous bytes per thread; dq_chunk_coords maps a float back.
+// four floats registers 4 g .. 4 g + 3 of that thread's m64n64 accumulator (at D = 64, c = 0:
+// each consumer's own chunk has this one layout). The consumers store 16 contiguous bytes per
+// thread; dq_chunk_coords maps a float back.
 template <int kD>
 inline constexpr int kDqChunkFloats = kBwdRows* kD;
 __host__ __device__ inline int dq_chunk_float4(int c, int g, int t) {
