@@ -5,6 +5,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -97,18 +98,27 @@ kernel_kind validate_device_backward(const device_backward_problem& p) {
   return kernel;
 }
 
+// The most keys one query row can see: Lk, or less where a window bounds both sides (a causal
+// mask bounds the right side at the diagonal).
+std::int64_t keys_a_row_sees(const device_problem& f) {
+  const std::int64_t lk = f.k.shape[2];
+  const std::int64_t right = f.causal != causal_mode::none ? 0 : f.window_right;
+  if (f.window_left < 0 || right < 0 || f.window_left >= lk || right >= lk) return lk;
+  return std::min(lk, f.window_left + right + 1);
+}
+
 // Whether the Hopper kernel forms dQ beside dK and dV (not deterministic): where that measured
-// faster than dQ's own pass on an H200 (cuda/NOTES.md, "b4", "b4.1"). Its extra cost is fixed
-// per query row (the float32 sums zeroed, then scaled into dQ), its saving grows with the keys a
-// row sees: from Lk = 4096 without a block mask (dense +10.6 %, causal +7.8 % there in b4.1; at
-// Lk = 2048 within ±1 % in b4), from Lk = 16384 with one (at Lk = 8192, density 0.04: 4.5 %
-// slower in b4).
-constexpr std::int64_t kSumsMinKeys = 4096, kSumsMinKeysBlockSparse = 16384;
+// faster than dQ's own pass on an H200 (cuda/NOTES.md, "b4.3"). Its extra cost is fixed per
+// query row (the float32 sums zeroed, then scaled into dQ), its saving grows with the keys a
+// row sees. Without a block mask it wins from 2048 keys (dense +5.5 % at D = 64, +6.1 % at
+// D = 128 there; causal +2.9 %, +2.0 %; at 1024 from +2.7 % to -6.6 %); with one, whose density
+// the host does not know, from 8192 (+3.6 to +10.4 % at densities 0.5 / 0.2 / 0.05 there, but
+// -3.1 % at D = 128, density 0.05; at 4096 down to -16 %).
+constexpr std::int64_t kSumsMinKeys = 2048, kSumsMinKeysBlockSparse = 8192;
 bool dq_beside_dkdv(const device_backward_problem& p, kernel_kind kernel) {
-  const std::int64_t lk = p.forward.k.shape[2];
   const bool sparse = p.forward.block_mask.data != nullptr;
   return !p.deterministic && kernel == kernel_kind::hopper &&
-         lk >= (sparse ? kSumsMinKeysBlockSparse : kSumsMinKeys);
+         keys_a_row_sees(p.forward) >= (sparse ? kSumsMinKeysBlockSparse : kSumsMinKeys);
 }
 
 // Delta (B·Hq·Lq floats), then, where dQ is formed beside dK and dV, its float32 sums

@@ -203,6 +203,8 @@ struct dkdvq_layout : dkdv_layout<kD> {
 // swizzle: the MN-major A operand of dQ = dS K. Register [kk][j] holds row 16 warp + lane / 4 +
 // 8 (j % 2), columns 16 kk + 8 (j / 2) + 2 (lane % 4) + {0, 1}: one 4-byte store, the 32 lanes
 // on 32 different banks.
+// (A template, as the products are: the targets other than sm_90a compile none of its callers.)
+template <class T>
 __device__ __forceinline__ void store_ds(unsigned char* ds, int key_row0,
                                          const std::uint32_t (&adS)[4][4]) {
   // The lane and warp read here, not hoisted: otherwise the compiler keeps the 16 addresses
@@ -402,7 +404,7 @@ struct dkdv_pass_t {
       to_a_fragments<T>(rS, aP);
       to_a_fragments<T>(rdP, adS);
       if constexpr (kDq) {  // dSᵀ for dQ = dS K, stored before the fragments go to wgmma
-        store_ds(smem.ds(), key_row0, adS);
+        store_ds<T>(smem.ds(), key_row0, adS);
         fence_proxy_async();
       }
 

@@ -305,7 +305,7 @@ def attention_backward(
         memory) and host memory on the first available backend with a backward pass.
     deterministic : bool
         ``True`` (the default): the same gradient bits on every run. ``False`` lets the CUDA
-        backward on compute capability 9.0 (bf16 / fp16, D = 64 or 128, from 4096 keys; 16384
+        backward on compute capability 9.0 (bf16 / fp16, D = 64 or 128, from 2048 keys; 8192
         with a block mask) form dQ beside dK and dV and add the key tiles' parts in whatever
         order they finish: faster there (docs/backends.md), dQ within the same tolerance but
         not bitwise repeatable, dK and dV unchanged. Elsewhere it changes nothing.

@@ -471,6 +471,67 @@ TEST_CASE("cuda backward: the non-deterministic hopper dQ, beside dK and dV",
   REQUIRE(same_bits(sums.dv, pass.dv));
 }
 
+// Where the opt-in applies (the dQ sums in the workspace): from 2048 keys a row can see without a
+// block mask (a window bounding both sides counts its span, causal bounds the right side), from
+// 8192 with one; below, deterministic = false changes nothing.
+TEST_CASE("cuda backward: where the non-deterministic hopper dQ applies", "[cuda][backward]") {
+  if (!hopper_backward_device()) return;
+  struct rule_case {
+    std::int64_t lk;
+    bool block_mask;
+    causal_mode causal;
+    std::int64_t left, right;
+    bool applies;
+  };
+  const causal_mode none = causal_mode::none, br = causal_mode::bottom_right;
+  const rule_case c = GENERATE_COPY(values<rule_case>({{2048, false, none, -1, -1, true},
+                                                       {2047, false, none, -1, -1, false},
+                                                       {2048, false, br, -1, -1, true},
+                                                       {8192, false, none, 1000, 1047, true},
+                                                       {8192, false, none, 1000, 1046, false},
+                                                       {8192, false, br, 2047, 5000, true},
+                                                       {8192, false, br, 2046, -1, false},
+                                                       {8192, false, none, 3000, -1, true},
+                                                       {8192, true, none, -1, -1, true},
+                                                       {8191, true, none, -1, -1, false},
+                                                       {16384, true, none, 4000, 4000, false}}));
+  CAPTURE(c.lk, c.block_mask, c.left, c.right, static_cast<int>(c.causal));
+  const std::int64_t B = 1, H = 1, Lq = 64, D = 64;
+  device_memory mem;
+  const input_dtype bf = input_dtype::bfloat16;
+  const auto tensor = [&](std::int64_t L) {
+    return blhd_tensor(mem.alloc(std::size_t(B * H * L * D) * 2), bf, {B, H, L, D});
+  };
+  fc::device_backward_problem dp;
+  dp.forward.q = tensor(Lq);
+  dp.forward.k = tensor(c.lk);
+  dp.forward.v = tensor(c.lk);
+  dp.forward.o = tensor(Lq);
+  dp.forward.lse = {
+      mem.alloc(std::size_t(B * H * Lq) * 4), input_dtype::float32, {B, H, Lq}, {H * Lq, Lq, 1}};
+  dp.forward.causal = c.causal;
+  dp.forward.window_left = c.left;
+  dp.forward.window_right = c.right;
+  if (c.block_mask) {
+    const std::int64_t nq = 1, nk = (c.lk + 127) / 128;
+    dp.forward.block_mask = {static_cast<const std::uint8_t*>(mem.alloc(std::size_t(nk))),
+                             {1, 1, nq, nk},
+                             {nq * nk, nq * nk, nk, 1}};
+    dp.forward.block_q = 128;
+    dp.forward.block_k = 128;
+  }
+  dp.forward.kernel = fc::kernel_choice::hopper;
+  dp.d_o = tensor(Lq);
+  dp.d_q = tensor(Lq);
+  dp.d_k = tensor(c.lk);
+  dp.d_v = tensor(c.lk);
+  const std::size_t fixed = fc::backward_workspace_bytes(dp);
+  dp.deterministic = false;
+  const std::size_t opt_in = fc::backward_workspace_bytes(dp);
+  // The sums: 64 rows x 64 floats for the one query tile.
+  REQUIRE(opt_in == fixed + (c.applies ? std::size_t(64 * 64 * 4) : 0));
+}
+
 // The gradients' layout decides how they are stored (16-byte pieces of whole columns where
 // the rows allow, 8-byte float pairs, else element by element), never what: bf16 gradients in
 // packed and padded rows give the same bits, float32 in aligned and misaligned rows the same
