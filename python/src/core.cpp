@@ -610,8 +610,8 @@ const char* attention_backward_into(const array& q, const array& k, const array&
                                     std::int64_t window_left, std::int64_t window_right,
                                     const std::optional<array>& block_mask, std::int64_t block_q,
                                     std::int64_t block_k, const std::optional<array>& kv_len,
-                                    const std::string& backend_name, bool blhd,
-                                    bool deterministic, std::uintptr_t stream) {
+                                    const std::string& backend_name, bool blhd, bool deterministic,
+                                    std::uintptr_t stream) {
   const call c = checked_call(q, k, v, o, lse, scale, causal, window_left, window_right, block_mask,
                               block_q, block_k, kv_len, blhd);
   const grads_call g{d_o, dq, dk, dv};
@@ -1093,7 +1093,8 @@ NB_MODULE(_core, m) {
         nb::arg("o"), nb::arg("lse").none(), nb::arg("do"), nb::arg("scale").none(),
         nb::arg("causal"), nb::arg("window_left"), nb::arg("window_right"),
         nb::arg("block_mask").none(), nb::arg("block_q"), nb::arg("block_k"),
-        nb::arg("kv_len").none(), nb::arg("backend"), nb::arg("blhd"), nb::arg("deterministic"), nb::arg("stream"));
+        nb::arg("kv_len").none(), nb::arg("backend"), nb::arg("blhd"), nb::arg("deterministic"),
+        nb::arg("stream"));
   m.def("entry_seconds", &entry_seconds, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("o"),
         nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("causal"), nb::arg("window_left"),
         nb::arg("window_right"), nb::arg("block_mask").none(), nb::arg("block_q"),

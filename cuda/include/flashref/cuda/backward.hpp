@@ -50,10 +50,11 @@ struct device_backward_problem {
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   // true: bitwise the same gradients on every run (dQ by a pass of its own). false lets the
-  // hopper kernel (D = 64, 128) form dQ beside dK and dV where that is faster (rows that can see 2048
-  // keys or more, 8192 with a block mask), adding each key tile's part to float32 sums in whatever order
-  // the key tiles finish: on an H200 8-17 % faster there (cuda/NOTES.md, "b4.1"), dQ within the
-  // same tolerance but not bitwise repeatable; dK and dV unchanged. Elsewhere it changes nothing.
+  // hopper kernel (D = 64, 128) form dQ beside dK and dV where that is faster (rows that can
+  // see 2048 keys or more, 8192 with a block mask), adding each key tile's part to float32 sums
+  // in whatever order the key tiles finish: on an H200 2-16 % faster there (cuda/NOTES.md,
+  // "b4.1" to "b4.3"), dQ within the same tolerance but not bitwise repeatable; dK and dV
+  // unchanged. Elsewhere it changes nothing.
   bool deterministic = true;
 };
 
