@@ -49,6 +49,20 @@ def test_float64_on_the_reference_backend_gives_the_golden_gradients():
     np.testing.assert_array_equal(dv, fx.dv)
 
 
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_deterministic_false_changes_nothing_on_a_host_backend(backend):
+    """The opt-in of the CUDA backward's device path; host backends are deterministic anyway."""
+    fx = flashref.fixtures.load("bwd_kv_len_cuts_tile")
+    kw = fx.attention_kwargs()
+    o, lse = flashref.attention(fx.q, fx.k, fx.v, **kw, backend=backend, return_lse=True)
+    want = flashref.attention_backward(fx.q, fx.k, fx.v, o, lse, fx.do, **kw, backend=backend)
+    got = flashref.attention_backward(fx.q, fx.k, fx.v, o, lse, fx.do, **kw, backend=backend,
+                                      deterministic=False)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert flashref.check(fx, o, lse, dq=got[0], dk=got[1], dv=got[2])
+
+
 def test_blhd_layout_equals_bhld():
     fx = flashref.fixtures.load("gqa")
     kw = fx.attention_kwargs()
