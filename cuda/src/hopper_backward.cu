@@ -14,7 +14,8 @@
 // waiting for anything to load. The mma.sync backward (tensor_core_backward.cu) takes the same
 // problems on other GPUs.
 //
-// Opt-in (device_backward_problem::deterministic = false, D = 128, long enough key sequences):
+// Opt-in (device_backward_problem::deterministic = false, D = 64 and 128, rows that see enough
+// keys):
 // the dK, dV kernel forms each query tile's dQ = dS K beside dK and dV and adds it to float32
 // sums by bulk reductions in whatever order its blocks finish (hopper/backward.cuh), then a
 // small kernel scales the sums into dQ: two products fewer than the dQ kernel's, not bitwise
@@ -373,8 +374,8 @@ struct dkdv_pass_t {
         for (int r = 0; r < 2; ++r) {
           const std::int32_t* slot = key_rows[ids.tid - 128];
           const key_range rows{slot[2 * r], slot[2 * r + 1]};
-          // With dQ the key is formed afresh too (kept, it spilled); without, formed afresh
-          // it spilled.
+          // With dQ the key is formed afresh too (kept across the loop there, it spilled);
+          // without, the kept key_a (formed afresh there, it spilled).
           const int key = (kDq ? key_of(ids) : key_a) + 8 * r;
           visible[r] = query_bits<8>(p.mask, ids.z, info.head, key, q0 + col0, rows);
         }
