@@ -121,17 +121,19 @@ bool dq_beside_dkdv(const device_backward_problem& p, kernel_kind kernel) {
          keys_a_row_sees(p.forward) >= (sparse ? kSumsMinKeysBlockSparse : kSumsMinKeys);
 }
 
-// Delta (B·Hq·Lq floats), then, where dQ is formed beside dK and dV, its float32 sums
-// (launch.hpp: D = 64 and 128 only); `kernel` the one that runs p.
+// The workspace: Delta (B·Hq·Lq floats), then, where dQ is formed beside dK and dV, its float32
+// sums (launch.hpp: D = 64 and 128 only); `kernel` the one that runs p.
+std::size_t delta_bytes(const device_backward_problem& p) {
+  const auto& q = p.forward.q.shape;
+  return round_up(std::size_t(q[0] * q[1] * q[2]) * sizeof(float));
+}
 std::size_t dq_sums_bytes(const device_backward_problem& p, kernel_kind kernel) {
   if (!dq_beside_dkdv(p, kernel)) return 0;
   const auto& q = p.forward.q.shape;
   return round_up(detail::hopper_dq_sums_bytes(q[0], q[1], q[2], q[3]));
 }
 std::size_t workspace_bytes(const device_backward_problem& p, kernel_kind kernel) {
-  const auto& q = p.forward.q.shape;
-  const std::size_t delta = round_up(std::size_t(q[0] * q[1] * q[2]) * sizeof(float));
-  return delta + dq_sums_bytes(p, kernel) + kWorkspaceAlign;  // never empty
+  return delta_bytes(p) + dq_sums_bytes(p, kernel) + kWorkspaceAlign;  // never empty
 }
 std::size_t workspace_bytes(const device_backward_problem& p) {
   return workspace_bytes(p, choose_backward(p));
@@ -166,9 +168,7 @@ void enqueue_backward(const device_backward_problem& p, kernel_kind kernel, cons
   }
   bp.delta = static_cast<float*>(ws);
   if (dq_sums_bytes(p, kernel) > 0) {
-    const auto& q = p.forward.q.shape;
-    bp.dq_sums = reinterpret_cast<float*>(
-        static_cast<char*>(ws) + round_up(std::size_t(q[0] * q[1] * q[2]) * sizeof(float)));
+    bp.dq_sums = reinterpret_cast<float*>(static_cast<char*>(ws) + delta_bytes(p));
   }
   const input_dtype in = p.forward.q.dtype;
   cudaError_t e = detail::launch_backward_delta(bp, stream);

@@ -530,6 +530,8 @@ struct dkdv_pass_t {
 };
 using dkdv_pass = dkdv_pass_t<false>;
 using dkdvq_pass = dkdv_pass_t<true>;
+// The host sizes the sums (hopper_dq_sums_bytes) by the chunk rows these kernels add.
+static_assert(kHopperDqRows == kBwdRows, "the dQ sums' chunks are the dK, dV kernel's stages");
 
 // dQ = scale x the float32 sums of the dK, dV kernel with dQ (chunks of dq_chunk_coords' order),
 // rows past Lq skipped.
