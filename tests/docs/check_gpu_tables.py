@@ -3,7 +3,7 @@
 results of their round: each table it renders from a folder of docs/results/ must appear, line
 for line, in the document.
 
-usage: check_gpu_tables.py SOURCE_DIR RESULTS_SUBDIR...
+usage: check_gpu_tables.py SOURCE_DIR [RESULTS_SUBDIR...]   (default: every folder there)
 """
 
 import os
@@ -27,6 +27,9 @@ def tables(text):
 
 def main():
     root, subdirs = sys.argv[1], sys.argv[2:]
+    if not subdirs:
+        results = os.path.join(root, "docs", "results")
+        subdirs = sorted(d for d in os.listdir(results) if os.path.isdir(os.path.join(results, d)))
     with open(os.path.join(root, "docs", "benchmarks.md")) as f:
         doc = f.read().splitlines()
     failures = 0
