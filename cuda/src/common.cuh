@@ -95,8 +95,7 @@ struct tile_walker {
   __device__ tile_walker(const mask_spec& m, std::int64_t b_, std::int64_t h_, std::int64_t q0_,
                          std::int64_t q1_)
       : mask(m), b(b_), h(h_), q0(q0_), q1(q1_) {
-    key_end = m.len_k;
-    if (m.kv_len != nullptr && m.kv_len[b] < key_end) key_end = m.kv_len[b];
+    key_end = m.key_end(b);
     const key_range first = m.row_range(b, q0);
     const key_range last = m.row_range(b, q1 - 1);
     const std::int64_t tile_begin = first.lo / kTileK;
@@ -134,9 +133,7 @@ struct range_walker {
 
   __device__ range_walker(const mask_spec& m, std::int64_t b, std::int64_t /*h*/, std::int64_t q0,
                           std::int64_t q1) {
-    std::int64_t end = m.len_k;
-    if (m.kv_len != nullptr && m.kv_len[b] < end) end = m.kv_len[b];
-    key_end = static_cast<int>(end);
+    key_end = static_cast<int>(m.key_end(b));
     const mask_spec::tile_span span = m.key_tiles(b, q0, q1, kTileK);
     tile = static_cast<int>(span.tile_begin);
     tile_end = static_cast<int>(span.tile_end);

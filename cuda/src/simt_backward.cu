@@ -187,8 +187,7 @@ __global__ void __launch_bounds__(kThreads) simt_dkdv_kernel(const backward_para
   const std::int64_t j = k0 + r;
   const std::int64_t D = p.head_dim, Dv = p.head_dim_v;
   const mask_spec& mask = p.mask;
-  std::int64_t key_end = p.len_k;
-  if (mask.kv_len != nullptr && mask.kv_len[b] < key_end) key_end = mask.kv_len[b];
+  const std::int64_t key_end = mask.key_end(b);
   const elem in = elem_of<T>();
 
   float dk[kMaxCols] = {};  // columns g + 8c of dK_j / scale

@@ -127,8 +127,7 @@ __global__ void __launch_bounds__(kThreads, 1) tc_dkdv_kernel(const backward_par
   const std::int64_t hk = blockIdx.y, b = blockIdx.z;
   const std::int64_t k1 = k0 + kTileK < p.len_k ? k0 + kTileK : p.len_k;
   const mask_spec& mask = p.mask;
-  std::int64_t key_end = p.len_k;
-  if (mask.kv_len != nullptr && mask.kv_len[b] < key_end) key_end = mask.kv_len[b];
+  const std::int64_t key_end = mask.key_end(b);
   // A tile running past the last key has keys that do not exist: element-mask it.
   const bool keys_past_end = k0 + kTileK > p.len_k;
   // This thread's keys in the m16n8 layout: key_a and key_a + 8.

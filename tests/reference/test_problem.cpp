@@ -178,6 +178,32 @@ TEST_CASE("mask_spec classifies tiles exactly where it claims to", "[mask]") {
         }
 }
 
+TEST_CASE("mask_spec::key_end is where a batch's keys end: no row sees a key past it", "[mask]") {
+  // The kernels load no key at or past key_end(b) (min(Lk, kv_len[b])) and zero-fill the tile
+  // that straddles it: every visible key lies below it, and with kv_len the last key below it
+  // is visible to a row that sees everything.
+  const std::uint64_t seed = GENERATE(range(0, 30));
+  problem_shape s = flashref::test::random_shape(seed);
+  s.Lq = std::max<std::int64_t>(s.Lq, 1), s.Lk = std::max<std::int64_t>(s.Lk, 1);
+  if (seed % 2 == 0) s.use_kv_len = true;
+  CAPTURE(seed, s.describe());
+  const flashref::problem_data d = flashref::test::random_problem(s, seed);
+  const flashref::attention_problem p = d.inputs();
+  const flashref::mask_spec m = flashref::make_mask_spec(p);
+  for (std::int64_t b = 0; b < s.B; ++b) {
+    const std::int64_t end = m.key_end(b);
+    CAPTURE(b, end);
+    REQUIRE(end == (p.kv_len != nullptr ? std::min<std::int64_t>(p.kv_len[b], s.Lk) : s.Lk));
+    for (std::int64_t i = 0; i < s.Lq; ++i)
+      REQUIRE(m.row_range(b, i).hi <= end);
+    flashref::mask_spec open = m;  // no causal, window or block mask: kv_len alone
+    open.causal = flashref::causal_mode::none;
+    open.window_left = open.window_right = -1;
+    open.block_mask = nullptr;
+    REQUIRE(open.row_range(b, 0).hi == end);
+  }
+}
+
 TEST_CASE("mask_spec::query_range is row_range transposed", "[mask]") {
   // The dK, dV passes test a key's rows against this interval instead of calling row_range per
   // row: for every key, exactly the rows whose interval holds it, windows of every width

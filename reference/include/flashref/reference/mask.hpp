@@ -35,13 +35,20 @@ struct mask_spec {
   std::int64_t bm_stride_b = 0, bm_stride_h = 0, bm_stride_qb = 0, bm_stride_kb = 0;
   std::int64_t block_q = 0, block_k = 0;
 
+  // The keys of batch b that exist for its rows: [0, key_end(b)), min(Lk, kv_len[b]). Keys at
+  // or past it are never loaded.
+  FLASHREF_INLINE std::int64_t key_end(std::int64_t b) const {
+    std::int64_t end = len_k;
+    if (kv_len != nullptr && kv_len[b] < end) end = kv_len[b];
+    return end;
+  }
+
   // Causal, window and kv_len constrain a row to one interval; both ends are non-decreasing
   // in the row index, which is what makes tile classification cheap.
   FLASHREF_INLINE key_range row_range(std::int64_t b, std::int64_t i) const {
     const std::int64_t diag = i + (len_k - len_q);  // the bottom-right aligned diagonal
     std::int64_t lo = 0;
-    std::int64_t hi = len_k;
-    if (kv_len != nullptr && kv_len[b] < hi) hi = kv_len[b];
+    std::int64_t hi = key_end(b);
     if (causal == causal_mode::bottom_right && diag + 1 < hi) hi = diag + 1;
     if (causal == causal_mode::top_left && i + 1 < hi) hi = i + 1;
     // Windows may be as wide as 2^63 - 1: compared as distances from the diagonal, so that
