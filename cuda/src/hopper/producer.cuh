@@ -31,8 +31,7 @@ __device__ void load_v_rows_zero_tail(unsigned char* s_v, const kernel_params& p
   const T* gV = static_cast<const T*>(p.v) + w.b * p.v_stride[0] + w.hk * p.v_stride[1];
   // The lane read afresh (volatile): otherwise the compiler hoists this rare loop's per-lane
   // offsets out of the producer's loops and keeps them live there, past the producer's budget.
-  unsigned lane;
-  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+  const unsigned lane = read_lane();
   for (int idx = static_cast<int>(lane); idx < key_tiles<kD>::kTileK * kChunks; idx += 32) {
     const int row = idx / kChunks;
     const int chunk = idx % kChunks;
