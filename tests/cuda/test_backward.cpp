@@ -369,22 +369,15 @@ device_entry_result check_device_entry(const problem_shape& s, fc::kernel_choice
   const input_dtype bf = input_dtype::bfloat16;
   upload_forward(mem, dp, p);
   if (p.kv_len != nullptr) {
-    std::vector<std::int32_t> kv_len(p.kv_len, p.kv_len + s.B);
-    dp.forward.kv_len = static_cast<const std::int32_t*>(mem.upload(kv_len));
+    dp.forward.kv_len = static_cast<const std::int32_t*>(mem.upload(d.opt.kv_len));
   }
   dp.forward.window_left = p.window_left;
   dp.forward.window_right = p.window_right;
-  if (p.has_block_mask()) {  // a dense copy on the device
-    const auto& bm = p.block_mask;
-    std::vector<std::uint8_t> mask;
-    for (std::int64_t b = 0; b < bm.shape[0]; ++b)
-      for (std::int64_t h = 0; h < bm.shape[1]; ++h)
-        for (std::int64_t i = 0; i < bm.shape[2]; ++i)
-          for (std::int64_t j = 0; j < bm.shape[3]; ++j)
-            mask.push_back(bm(b, h, i, j));
-    const std::array<std::int64_t, 4> stride{bm.shape[1] * bm.shape[2] * bm.shape[3],
-                                             bm.shape[2] * bm.shape[3], bm.shape[3], 1};
-    dp.forward.block_mask = {static_cast<const std::uint8_t*>(mem.upload(mask)), bm.shape, stride};
+  if (p.has_block_mask()) {  // the problem's storage copied as it lies, with its strides
+    const auto& mask = d.opt.block_mask;
+    dp.forward.block_mask = {static_cast<const std::uint8_t*>(mem.upload(std::vector<std::uint8_t>(
+                                 mask.data(), mask.data() + mask.size()))),
+                             p.block_mask.shape, p.block_mask.stride};
     dp.forward.block_q = p.block_q;
     dp.forward.block_k = p.block_k;
   }
