@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "host.hpp"
@@ -107,22 +108,31 @@ std::int64_t keys_a_row_sees(const device_problem& f) {
   return std::min(lk, f.window_left + right + 1);
 }
 
-// Whether the Hopper kernel forms dQ beside dK and dV (not deterministic): where that measured
-// faster than dQ's own pass on an H200 (cuda/NOTES.md, "b4.3"). Its extra cost is fixed per
-// query row (the float32 sums zeroed, then scaled into dQ), its saving grows with the keys a
-// row sees. Without a block mask it wins from 2048 keys (dense +5.5 % at D = 64, +6.1 % at
-// D = 128 there; causal +2.9 %, +2.0 %; at 1024 from +2.7 % to -6.6 %); with one, whose density
-// the host does not know, from 8192 (+3.6 to +10.4 % at densities 0.5 / 0.2 / 0.05 there, but
-// -3.1 % at D = 128, density 0.05; at 4096 down to -16 %).
+// Whether the Hopper kernel forms dQ beside dK and dV: where that measured faster than dQ's
+// own pass on an H200 (cuda/NOTES.md, "b4.3", "b6"). Its extra cost is fixed per query row (the
+// sums zeroed, then scaled into dQ; in fixed point also the bounds, and the conversion of each
+// part), its saving grows with the keys a row sees. Float32 sums (deterministic = false): without
+// a block mask from 2048 keys (dense +5.5 % at D = 64, +6.1 % at D = 128 there; causal +2.9 %,
+// +2.0 %; at 1024 from +2.7 % to -6.6 %); with one, whose density the host does not know, from
+// 8192 (+3.6 to +10.4 % at densities 0.5 / 0.2 / 0.05 there, but -3.1 % at D = 128, density
+// 0.05; at 4096 down to -16 %). Fixed point (the default): from 8192 keys (D = 128 +0.2 % causal,
+// +3.6 % dense there, +5 to +6 % at 16384; D = 64 -0.8 % / +1.9 %, then -1.1 % / +3.1 %; at 4096
+// -3.8 % to -0.1 %), twice that with a block mask (each part costs a conversion more than
+// float32's, where those won by 3.6 % at the least).
 constexpr std::int64_t kSumsMinKeys = 2048, kSumsMinKeysBlockSparse = 8192;
+constexpr std::int64_t kFixedMinKeys = 8192, kFixedMinKeysBlockSparse = 16384;
 bool dq_beside_dkdv(const device_backward_problem& p, kernel_kind kernel) {
+  if (kernel != kernel_kind::hopper) return false;
   const bool sparse = p.forward.block_mask.data != nullptr;
-  return !p.deterministic && kernel == kernel_kind::hopper &&
-         keys_a_row_sees(p.forward) >= (sparse ? kSumsMinKeysBlockSparse : kSumsMinKeys);
+  const std::int64_t keys = keys_a_row_sees(p.forward);
+  if (p.deterministic) return keys >= (sparse ? kFixedMinKeysBlockSparse : kFixedMinKeys);
+  return keys >= (sparse ? kSumsMinKeysBlockSparse : kSumsMinKeys);
 }
 
-// The workspace: Delta (B·Hq·Lq floats), then, where dQ is formed beside dK and dV, its float32
-// sums (launch.hpp: D = 64 and 128 only); `kernel` the one that runs p.
+// The workspace: Delta (B·Hq·Lq floats), then, where dQ is formed beside dK and dV, its sums
+// (launch.hpp: D = 64 and 128 only), and for fixed-point sums (deterministic) the rows' flags
+// and scales (B·Hq·Lq words each) and the key/value heads' bounds (B·Hk pairs); `kernel` the
+// one that runs p.
 std::size_t delta_bytes(const device_backward_problem& p) {
   const auto& q = p.forward.q.shape;
   return round_up(std::size_t(q[0] * q[1] * q[2]) * sizeof(float));
@@ -132,8 +142,19 @@ std::size_t dq_sums_bytes(const device_backward_problem& p, kernel_kind kernel) 
   const auto& q = p.forward.q.shape;
   return round_up(detail::hopper_dq_sums_bytes(q[0], q[1], q[2], q[3]));
 }
+bool fixed_point_sums(const device_backward_problem& p, kernel_kind kernel) {
+  return p.deterministic && dq_sums_bytes(p, kernel) > 0;
+}
+// Fixed point's two bounds per (batch, key/value head).
+std::size_t kv_bounds_bytes(const device_backward_problem& p, kernel_kind kernel) {
+  if (!fixed_point_sums(p, kernel)) return 0;
+  return round_up(std::size_t(p.forward.k.shape[0] * p.forward.k.shape[1]) * 8);
+}
 std::size_t workspace_bytes(const device_backward_problem& p, kernel_kind kernel) {
-  return delta_bytes(p) + dq_sums_bytes(p, kernel) + kWorkspaceAlign;  // never empty
+  // Delta, then the flags and the scales the same size again each.
+  const std::size_t rows = fixed_point_sums(p, kernel) ? 2 * delta_bytes(p) : 0;
+  return delta_bytes(p) + dq_sums_bytes(p, kernel) + rows + kv_bounds_bytes(p, kernel) +
+         kWorkspaceAlign;  // never empty
 }
 std::size_t workspace_bytes(const device_backward_problem& p) {
   return workspace_bytes(p, choose_backward(p));
@@ -166,9 +187,14 @@ void enqueue_backward(const device_backward_problem& p, kernel_kind kernel, cons
     throw problem_error("workspace_bytes: expected at least " + std::to_string(need) + ", got " +
                         std::to_string(p.workspace_bytes));
   }
-  bp.delta = static_cast<float*>(ws);
-  if (dq_sums_bytes(p, kernel) > 0) {
-    bp.dq_sums = reinterpret_cast<float*>(static_cast<char*>(ws) + delta_bytes(p));
+  char* next = static_cast<char*>(ws);
+  const auto take = [&next](std::size_t bytes) { return std::exchange(next, next + bytes); };
+  bp.delta = reinterpret_cast<float*>(take(delta_bytes(p)));
+  if (dq_sums_bytes(p, kernel) > 0) bp.dq_sums = take(dq_sums_bytes(p, kernel));
+  if (fixed_point_sums(p, kernel)) {
+    bp.dq_row_flags = reinterpret_cast<std::uint32_t*>(take(delta_bytes(p)));
+    bp.dq_row_scale = reinterpret_cast<float*>(take(delta_bytes(p)));
+    bp.kv_bounds = reinterpret_cast<std::uint32_t*>(take(kv_bounds_bytes(p, kernel)));
   }
   const input_dtype in = p.forward.q.dtype;
   cudaError_t e = detail::launch_backward_delta(bp, stream);

@@ -1,6 +1,6 @@
 // The Hopper backward (sm_90a; bf16 / fp16 inputs, fp32 accumulation): SPEC §9 on the forward's
 // machinery (TMA, mbarrier rings, wgmma, setmaxnreg), in two kernels that each own what they
-// write, so that every sum has one fixed order (bitwise deterministic, no atomics):
+// write, so that every sum has one fixed order (bitwise deterministic, no floating-point atomics):
 //
 //  - dK, dV: a block of three warpgroups per 128 keys of one (batch, key/value head). The
 //    producer warp loads K and V once and walks the query heads of the GQA group and, for each,
@@ -14,12 +14,13 @@
 // waiting for anything to load. The mma.sync backward (tensor_core_backward.cu) takes the same
 // problems on other GPUs.
 //
-// Opt-in (device_backward_problem::deterministic = false, D = 64 and 128, rows that see enough
-// keys):
-// the dK, dV kernel forms each query tile's dQ = dS K beside dK and dV and adds it to float32
-// sums by bulk reductions in whatever order its blocks finish (hopper/backward.cuh), then a
-// small kernel scales the sums into dQ: two products fewer than the dQ kernel's, not bitwise
-// repeatable.
+// Where rows see enough keys (D = 64 and 128; backward.cpp's rule) the dK, dV kernel also forms
+// each query tile's dQ = dS K beside dK and dV, two products fewer than the dQ kernel's, and
+// adds it by bulk reductions in whatever order its blocks finish, then a small kernel scales the
+// sums into dQ. By default the sums are fixed point (int32; hopper/backward.cuh, "dQ in fixed
+// point"): integer additions in any order give the same bits, so dQ stays bitwise deterministic
+// without a fixed order. Opt-in (device_backward_problem::deterministic = false): float32 sums,
+// faster by the conversion, not bitwise repeatable.
 //
 // The instructions are sm_90a only: other targets compile empty kernels that the dispatcher
 // never launches.
@@ -250,11 +251,17 @@ __device__ __forceinline__ void product_dq(float (&acc)[32], const unsigned char
   }
 }
 
+// How the dK, dV kernel treats dQ: not at all (dQ has its own pass), or formed beside dK and
+// dV and added to float32 sums (not bitwise repeatable) or to fixed-point ones (backward.cuh).
+enum class dq_sums { none, float32, fixed };
+
 // The dK, dV pass, with dQ folded in (kDq) or not: its barriers, register split and
 // layout, the producer warp and a consumer warpgroup (with kDq also adding dQ), as the kernel
 // template below takes them.
-template <bool kDq>
+template <dq_sums kSums>
 struct dkdv_pass_t {
+  static constexpr bool kDq = kSums != dq_sums::none;
+  static constexpr bool kFixed = kSums == dq_sums::fixed;
   using barriers = dkdv_barriers;
   using registers = dkdv_registers;
   template <int kD>
@@ -294,6 +301,10 @@ struct dkdv_pass_t {
         const row_terms row = row_terms_of(bp, b, h, q0 + r);
         bar.lse_base[s][r] = row.base;
         bar.delta[s][r] = row.delta;
+        if constexpr (kFixed) {
+          bar.dq_scale[s][r] =
+              q0 + r < p.len_q ? bp.dq_row_scale[(b * p.heads_q + h) * p.len_q + q0 + r] : 0.f;
+        }
       }
       // Each lane's arrival releases its own stores; lane 0's also announces the TMA bytes.
       if (leader) {
@@ -409,22 +420,35 @@ struct dkdv_pass_t {
         fence_proxy_async();
       }
 
+      if constexpr (kFixed && kDqOwnKeys<kD>) {
+        // At D = 64, dQ's product first (over this consumer's own keys), then dV, dK behind it:
+        // the conversion of dQ into fixed point runs while they do (+3.4 to +5 %, cuda/NOTES.md
+        // "b6"; at D = 128 this order keeps dQ live beside dK, dV, Pᵀ and dSᵀ, and ptxas spills).
+        ds_stored<kD>(it, consumer, t);
+        float rdQ[32];
+        wgmma_fence();
+        product_dq<T, kD>(rdQ, smem.ds(), smem.resident[0]);
+        wgmma_commit();
+        product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
+        product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
+        wgmma_commit();
+        wgmma_wait<1>();
+        fence_operands(rdQ);
+        add_dq<kD>(hp, smem, consumer, bar.info[s], bar.dq_scale[s], rdQ);
+        wgmma_wait<0>();
+        fence_operands(rdV);
+        fence_operands(rdK);
+        fence_fragments(aP);
+        fence_fragments(adS);
+        bar.release(s);
+        continue;
+      }
       // dV += Pᵀ dO, dK += dSᵀ Q.
       wgmma_fence();
       product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
       product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
       wgmma_commit();
-      if constexpr (kDq) {
-        // The last tile's chunk read by the copy engine (add_dq) before anyone passes here,
-        // and the dSᵀ rows stored: both consumers' at D = 128, this one's at D = 64.
-        if constexpr (kDqOwnKeys<kD>) {
-          if (it > 0 && t == 0) bulk_wait_read();
-          named_barrier_sync(kOwnDsBarrier + consumer, 128);
-        } else {
-          if (it > 0 && consumer == 0 && t == 0) bulk_wait_read();
-          named_barrier_sync(kDsBarrier, 128 * kConsumers);
-        }
-      }
+      if constexpr (kDq) ds_stored<kD>(it, consumer, t);
       wgmma_wait<0>();
       fence_operands(rdV);
       fence_operands(rdK);
@@ -442,7 +466,7 @@ struct dkdv_pass_t {
         wgmma_commit();
         wgmma_wait<0>();
         fence_operands(rdQ);
-        add_dq<kD>(hp, smem, consumer, bar.info[s], rdQ);
+        add_dq<kD>(hp, smem, consumer, bar.info[s], bar.dq_scale[s], rdQ);
       }
       bar.release(s);
     }
@@ -463,9 +487,23 @@ struct dkdv_pass_t {
                           p.len_k, rdV, 1.f);
   }
 
-  // This thread's 32 floats of the query tile's dQ into the chunk buffer, then (once both
-  // consumers' are there; at D = 64 each consumer's own chunk, once its own are there) one
-  // thread adds the chunk to the tile's float32 sums by a bulk reduction of the copy engine. The
+  // The last tile's chunk read by the copy engine (add_dq) before anyone passes here, and the
+  // dSᵀ rows stored: both consumers' at D = 128, this one's at D = 64.
+  template <int kD>
+  __device__ static void ds_stored(int it, int consumer, int t) {
+    if constexpr (kDqOwnKeys<kD>) {
+      if (it > 0 && t == 0) bulk_wait_read();
+      named_barrier_sync(kOwnDsBarrier + consumer, 128);
+    } else {
+      if (it > 0 && consumer == 0 && t == 0) bulk_wait_read();
+      named_barrier_sync(kDsBarrier, 128 * kConsumers);
+    }
+  }
+
+  // This thread's 32 floats of the query tile's dQ into the chunk buffer (in fixed point: times
+  // its rows' scales `row_scale`, rounded to int32), then (once both consumers' are there; at
+  // D = 64 each consumer's own chunk, once its own are there) one thread adds the chunk to the
+  // tile's sums by a bulk reduction of the copy engine. The
   // buffer is reused a tile later: the adding thread waits for the engine to have read it before
   // the next tile's first barrier (kDsBarrier, kOwnDsBarrier), which every thread passes before
   // it writes the buffer again.
@@ -473,16 +511,47 @@ struct dkdv_pass_t {
   // tile and head kept in registers from the top of the loop made ptxas spill).
   template <int kD>
   __device__ static void add_dq(const hopper_bwd_params& hp, const layout<kD>& smem, int consumer,
-                                const bwd_stage_info& slot, const float (&acc)[32]) {
+                                const bwd_stage_info& slot, const float* row_scale,
+                                const float (&acc)[32]) {
     const kernel_params& p = hp.bp.fwd;
     // Read in place, not hoisted (the chunk's addresses would be kept and spilled).
     const int t = static_cast<int>(read_tid() % 128);
     constexpr bool kOwn = kDqOwnKeys<kD>;
     float4* chunk = reinterpret_cast<float4*>(smem.dq(kOwn ? consumer : 0));
+    if constexpr (kFixed) {
+      // Element 4 g + e is row 16 (t / 32) + (t % 32) / 4 + 8 (e / 2) of the stage.
+      const int row_a = 16 * (t / 32) + (t % 32) / 4;
+      const float scale[2] = {row_scale[row_a], row_scale[row_a + 8]};
+      bool in_range[2] = {true, true};
+      int4* ichunk = reinterpret_cast<int4*>(chunk);
 #pragma unroll
-    for (int g = 0; g < 8; ++g) {
-      chunk[dq_chunk_float4(kOwn ? 0 : consumer, g, t)] =
-          make_float4(acc[4 * g], acc[4 * g + 1], acc[4 * g + 2], acc[4 * g + 3]);
+      for (int g = 0; g < 8; ++g) {
+        int v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float y = acc[4 * g + e] * scale[e / 2];
+          in_range[e / 2] = in_range[e / 2] && fabsf(y) < 0x1p30f;  // false for NaN
+          v[e] = __float2int_rn(y);
+        }
+        ichunk[dq_chunk_float4(kOwn ? 0 : consumer, g, t)] = make_int4(v[0], v[1], v[2], v[3]);
+      }
+      if (!in_range[0] || !in_range[1]) {  // never with finite inputs and the forward's LSE
+        // (Rows past Lq are left alone: their dS is 0, but a NaN key in the product gives them a
+        // NaN part too, and their index would be the next head's rows.)
+        const bwd_stage_info info = slot;
+        const std::int64_t i0 = std::int64_t(info.tile) * kBwdRows + row_a;
+        const std::int64_t n0 = (blockIdx.z * p.heads_q + info.head) * p.len_q + i0;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          if (!in_range[r] && i0 + 8 * r < p.len_q) atomicOr(hp.bp.dq_row_flags + n0 + 8 * r, 1u);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int g = 0; g < 8; ++g) {
+        chunk[dq_chunk_float4(kOwn ? 0 : consumer, g, t)] =
+            make_float4(acc[4 * g], acc[4 * g + 1], acc[4 * g + 2], acc[4 * g + 3]);
+      }
     }
     fence_proxy_async();  // the stores above are read by the copy engine
     if constexpr (kOwn) {
@@ -494,7 +563,13 @@ struct dkdv_pass_t {
       const bwd_stage_info info = slot;
       const std::int64_t tiles_q = (p.len_q + kBwdRows - 1) / kBwdRows;
       const std::int64_t n = (blockIdx.z * p.heads_q + info.head) * tiles_q + info.tile;
-      bulk_reduce_add_f32(hp.bp.dq_sums + n * kDqChunkFloats<kD>, chunk, kDqChunkFloats<kD> * 4);
+      if constexpr (kFixed) {
+        bulk_reduce_add_s32(static_cast<std::int32_t*>(hp.bp.dq_sums) + n * kDqChunkFloats<kD>,
+                            chunk, kDqChunkFloats<kD> * 4);
+      } else {
+        bulk_reduce_add_f32(static_cast<float*>(hp.bp.dq_sums) + n * kDqChunkFloats<kD>, chunk,
+                            kDqChunkFloats<kD> * 4);
+      }
       bulk_commit();
     }
   }
@@ -528,38 +603,161 @@ struct dkdv_pass_t {
     named_barrier_sync(kKTailBarrier + consumer, 128);
   }
 };
-using dkdv_pass = dkdv_pass_t<false>;
-using dkdvq_pass = dkdv_pass_t<true>;
+using dkdv_pass = dkdv_pass_t<dq_sums::none>;
+using dkdvq_pass = dkdv_pass_t<dq_sums::float32>;
+using dkdvq_fixed_pass = dkdv_pass_t<dq_sums::fixed>;
 // The host sizes the sums (hopper_dq_sums_bytes) by the chunk rows these kernels add.
 static_assert(kHopperDqRows == kBwdRows, "the dQ sums' chunks are the dK, dV kernel's stages");
 
-// dQ = scale x the float32 sums of the dK, dV kernel with dQ (chunks of dq_chunk_coords' order),
-// rows past Lq skipped.
-template <int kD>
+// dQ = scale x the sums of the dK, dV kernel with dQ (chunks of dq_chunk_coords' order), rows
+// past Lq skipped: float32 sums as they are; fixed-point ones divided by their row's scale (a
+// power of two: exact), NaN in a flagged row.
+template <int kD, bool kFixed>
 __global__ void dq_from_sums(const backward_params bp) {
   const kernel_params& p = bp.fwd;
   constexpr int kChunk4 = kDqChunkFloats<kD> / 4;
   const std::int64_t tiles_q = (p.len_q + kBwdRows - 1) / kBwdRows;
   const std::int64_t total = p.batch * p.heads_q * tiles_q * kChunk4;
-  const float4* sums = reinterpret_cast<const float4*>(bp.dq_sums);
   for (std::int64_t i = std::int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += std::int64_t(gridDim.x) * blockDim.x) {
     const std::int64_t chunk = i / kChunk4;
     const int f = static_cast<int>(i % kChunk4);
     const std::int64_t tile = chunk % tiles_q, bh = chunk / tiles_q;
     const std::int64_t h = bh % p.heads_q, b = bh / p.heads_q;
-    const float4 v = sums[i];
-    const float x[4] = {v.x, v.y, v.z, v.w};
+    float x[4];
+    if constexpr (kFixed) {
+      const int4 v = static_cast<const int4*>(bp.dq_sums)[i];
+      const int n[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        x[e] = static_cast<float>(n[e]);
+    } else {
+      const float4 v = static_cast<const float4*>(bp.dq_sums)[i];
+      x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const dq_coords at = dq_chunk_coords(f, e);
       const std::int64_t row = tile * kBwdRows + at.row;
       if (row >= p.len_q) continue;
+      float value = x[e];
+      if constexpr (kFixed) {
+        const std::int64_t n = bh * p.len_q + row;
+        value = bp.dq_row_flags[n] != 0 ? __int_as_float(0x7fffffff) : value / bp.dq_row_scale[n];
+      }
       store_elem(bp.dq,
                  b * bp.dq_stride[0] + h * bp.dq_stride[1] + row * bp.dq_stride[2] +
                      at.col * bp.dq_stride[3],
-                 p.scale * x[e], bp.grad_out);
+                 p.scale * value, bp.grad_out);
     }
+  }
+}
+
+// --- dQ in fixed point: the bounds and the rows' scales ---------------------------------------
+
+// Rows of a (rows, kD) tensor of 16-bit elements by groups of kD / 8 lanes, 8 elements (16
+// bytes) per lane: the group's row and this lane's elements.
+template <class T, int kD>
+struct row_group {
+  static constexpr int kLanes = kD / 8;
+  static constexpr int kRowsPerWarp = 32 / kLanes;
+  static __device__ void load(const T* row, float (&x)[8]) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(row + (threadIdx.x % kLanes) * 8);
+    const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      x[i] = to_float(e[i]);
+  }
+  // The sum over the group's lanes (consecutive lanes of one warp).
+  static __device__ float sum(float v) {
+#pragma unroll
+    for (int o = kLanes / 2; o > 0; o /= 2)
+      v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+  }
+};
+
+// max |K| and max_j ||V_j||^2 over the keys of batch z below key_end, per key/value head y, by
+// blocks of kBwdKeys keys, into bp.kv_bounds (zeroed first) by atomicMax on the float bits
+// (non-negative floats order as their bits; the maximum does not depend on the order). NaN and
+// inf are left out: they flag the rows they reach (add_dq).
+inline constexpr int kBoundThreads = 128;
+template <class T, int kD>
+__global__ void __launch_bounds__(kBoundThreads) kv_bounds_kernel(const backward_params bp) {
+  using G = row_group<T, kD>;
+  const kernel_params& p = bp.fwd;
+  const std::int64_t b = blockIdx.z, hk = blockIdx.y;
+  const std::int64_t k0 = std::int64_t(blockIdx.x) * kBwdKeys, end = p.mask.key_end(b);
+  const std::int64_t k1 = end < k0 + kBwdKeys ? end : k0 + kBwdKeys;
+  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
+  float k_max = 0.f, v_max = 0.f;
+  // Whole warps step together (the group sums shuffle across the warp); a lane past k1 adds 0.
+  for (std::int64_t j0 = k0 + warp * G::kRowsPerWarp; j0 < k1;
+       j0 += (kBoundThreads / 32) * G::kRowsPerWarp) {
+    const std::int64_t j = j0 + lane / G::kLanes;
+    float k[8] = {}, v[8] = {};
+    if (j < k1) {
+      G::load(
+          static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1] + j * p.k_stride[2],
+          k);
+      G::load(
+          static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1] + j * p.v_stride[2],
+          v);
+    }
+    float v2 = 0.f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      if (isfinite(k[i])) k_max = fmaxf(k_max, fabsf(k[i]));
+      if (isfinite(v[i])) v2 = fmaf(v[i], v[i], v2);
+    }
+    v_max = fmaxf(v_max, G::sum(v2));  // inf where finite values overflow: the rows get flagged
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o /= 2) {
+    k_max = fmaxf(k_max, __shfl_xor_sync(0xffffffffu, k_max, o));
+    v_max = fmaxf(v_max, __shfl_xor_sync(0xffffffffu, v_max, o));
+  }
+  if (lane == 0) {
+    std::uint32_t* at = bp.kv_bounds + (b * p.heads_k + hk) * 2;
+    atomicMax(at, __float_as_uint(k_max));
+    atomicMax(at + 1, __float_as_uint(v_max));
+  }
+}
+
+// Row n of (B, Hq, Lq): dq_row_scale[n] = dq_fixed_scale(bound_n) (backward.cuh), a row whose
+// bound is not finite (dO, or O through Delta) flagged; rows by groups of kD / 8 lanes.
+template <class T, int kD>
+__global__ void __launch_bounds__(kBoundThreads) dq_row_scales_kernel(const backward_params bp) {
+  using G = row_group<T, kD>;
+  const kernel_params& p = bp.fwd;
+  const std::int64_t rows = p.batch * p.heads_q * p.len_q;
+  const std::int64_t per_block = kBoundThreads / G::kLanes;
+  // Whole warps step together (the group sums shuffle across the warp); a lane past the last
+  // row reads and writes nothing.
+  for (std::int64_t n0 =
+           std::int64_t(blockIdx.x) * per_block + (threadIdx.x / 32) * G::kRowsPerWarp;
+       n0 < rows; n0 += std::int64_t(gridDim.x) * per_block) {
+    const std::int64_t n = n0 + (threadIdx.x % 32) / G::kLanes;
+    const std::int64_t i = n % p.len_q, h = (n / p.len_q) % p.heads_q;
+    const std::int64_t b = n / (p.len_q * p.heads_q);
+    float g[8] = {};
+    if (n < rows) {
+      G::load(static_cast<const T*>(bp.d_o) + b * bp.d_o_stride[0] + h * bp.d_o_stride[1] +
+                  i * bp.d_o_stride[2],
+              g);
+    }
+    float g2 = 0.f;
+#pragma unroll
+    for (int x = 0; x < 8; ++x)
+      g2 = fmaf(g[x], g[x], g2);
+    g2 = G::sum(g2);
+    if (threadIdx.x % G::kLanes != 0 || n >= rows) continue;
+    const std::uint32_t* kv = bp.kv_bounds + (b * p.heads_k + h / p.group) * 2;
+    const float bound =
+        __uint_as_float(kv[0]) * (sqrtf(g2) * sqrtf(__uint_as_float(kv[1])) + fabsf(bp.delta[n]));
+    const float scale = dq_fixed_scale(bound);
+    bp.dq_row_scale[n] = scale;
+    if (scale == 0.f) bp.dq_row_flags[n] = 1;
   }
 }
 
@@ -780,13 +978,13 @@ cudaError_t make_maps(bwd_maps& m, const backward_params& bp, elem input, int kD
 }
 
 // The dK, dV pass of `Pass`, then dQ: scaled from the sums the dK, dV kernel with dQ left
-// (dkdvq_pass), or by its own pass.
+// (dkdvq_pass, dkdvq_fixed_pass: first the bounds and the rows' scales), or by its own pass.
 template <class Pass, class T, int kD>
 cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t stream) {
   const kernel_params& p = bp.fwd;
   hopper_bwd_params hp{};
   hp.bp = bp;
-  constexpr bool kSums = std::is_same_v<Pass, dkdvq_pass>;
+  constexpr bool kSums = Pass::kDq, kFixed = Pass::kFixed;
   constexpr int kDkdvSmem = Pass::template layout<kD>::kSmemBytes;
   constexpr int kDqSmem = dq_layout<kD>::kSmemBytes;
   cudaError_t e = cudaFuncSetAttribute(hopper_bwd_kernel<Pass, T, kD>,
@@ -804,6 +1002,23 @@ cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t st
                         stream);
     if (e != cudaSuccess) return e;
   }
+  if (kFixed && queries) {
+    const std::int64_t rows = p.batch * p.heads_q * p.len_q;
+    e = cudaMemsetAsync(bp.dq_row_flags, 0, std::size_t(rows) * 4, stream);
+    if (e == cudaSuccess) {
+      e = cudaMemsetAsync(bp.kv_bounds, 0, std::size_t(p.batch * p.heads_k) * 8, stream);
+    }
+    if (e != cudaSuccess) return e;
+    if (p.len_k > 0) {
+      const dim3 grid(static_cast<unsigned>((p.len_k + kBwdKeys - 1) / kBwdKeys),
+                      static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
+      kv_bounds_kernel<T, kD><<<grid, kBoundThreads, 0, stream>>>(bp);
+    }
+    const std::int64_t per_block = kBoundThreads / row_group<T, kD>::kLanes;
+    const std::int64_t blocks = (rows + per_block - 1) / per_block;
+    dq_row_scales_kernel<T, kD>
+        <<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), kBoundThreads, 0, stream>>>(bp);
+  }
   if (p.len_k > 0 && p.heads_k > 0 && p.batch > 0) {
     e = make_maps(hp.maps, bp, input, kD, kBwdRows, kBwdKeys);
     if (e != cudaSuccess) return e;
@@ -815,7 +1030,7 @@ cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t st
   if constexpr (kSums) {
     const std::int64_t n4 = hopper_dq_sums_bytes(p.batch, p.heads_q, p.len_q, kD) / sizeof(float4);
     const unsigned blocks = static_cast<unsigned>(n4 / 256 + 1 < 8192 ? n4 / 256 + 1 : 8192);
-    dq_from_sums<kD><<<blocks, 256, 0, stream>>>(bp);
+    dq_from_sums<kD, kFixed><<<blocks, 256, 0, stream>>>(bp);
   } else {
     e = make_maps(hp.maps, bp, input, kD, kBwdQRows, kBwdQKeysFor<kD>);
     if (e != cudaSuccess) return e;
@@ -826,11 +1041,14 @@ cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t st
   return cudaGetLastError();
 }
 
-// With dQ's sums in the workspace (not deterministic; D = 64 and 128): dQ inside the dK, dV
-// kernel; otherwise dQ by its own pass.
+// With dQ's sums in the workspace (D = 64 and 128): dQ inside the dK, dV kernel, the sums in
+// fixed point where the rows' scales are there too; otherwise dQ by its own pass.
 template <class T, int kD>
 cudaError_t launch(const backward_params& bp, elem input, cudaStream_t stream) {
   if constexpr (kD == 64 || kD == 128) {
+    if (bp.dq_row_scale != nullptr) {
+      return launch_passes<dkdvq_fixed_pass, T, kD>(bp, input, stream);
+    }
     if (bp.dq_sums != nullptr) return launch_passes<dkdvq_pass, T, kD>(bp, input, stream);
   }
   return launch_passes<dkdv_pass, T, kD>(bp, input, stream);

@@ -2,6 +2,7 @@
 // The boundary between the host wrapper (attention.cpp) and the kernels (*.cu): plain data
 // only, no xtensor, includable from both compilers.
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 
@@ -99,19 +100,41 @@ struct backward_params {
   row_store dk_store = row_store::elementwise;
   row_store dv_store = row_store::elementwise;
   // Non-null: the Hopper backward (D = 64, 128) forms dQ inside its dK, dV kernel and adds each
-  // key tile's part to these float32 sums (in any order: not bitwise deterministic), then
-  // scales them into dq; hopper_dq_sums_bytes of workspace after Delta, zeroed by the launch.
-  float* dq_sums = nullptr;
+  // key tile's part to these sums, in whatever order the key tiles finish, then scales them into
+  // dq; hopper_dq_sums_bytes of workspace after Delta, zeroed by the launch. Float32 sums
+  // (dq_row_scale null) are not bitwise repeatable; fixed-point ones are (below).
+  void* dq_sums = nullptr;
+  // Non-null with dq_sums: the sums are fixed point, int32 (hopper/backward.cuh, "dQ in fixed
+  // point"): row i's parts times dq_row_scale[i], a power of two chosen from a bound on |dQ_i|
+  // so that no sum leaves 2^30, rounded to integers whose additions give the same bits in any
+  // order. Each of the three arrays below lies in the workspace; the launch zeroes the flags
+  // and the bounds and fills the scales.
+  float* dq_row_scale = nullptr;          // (B, Hq, Lq)
+  std::uint32_t* dq_row_flags = nullptr;  // (B, Hq, Lq): 1 where a part was NaN, inf or too large
+  std::uint32_t* kv_bounds = nullptr;     // (B, Hk, 2): max |K|, max ||V_j||^2 as float bits
 };
 
-// The non-deterministic Hopper backward's dQ sums for (B, Hq, Lq) queries of head dim d, in
-// bytes: one chunk of 64 rows x d floats per query tile (0 where its dQ has a pass of its own).
+// The Hopper backward's dQ sums for (B, Hq, Lq) queries of head dim d, in bytes: one chunk of
+// 64 rows x d float32 or int32 per query tile (0 where its dQ has a pass of its own).
 inline constexpr std::int64_t kHopperDqRows = 64;
 inline std::size_t hopper_dq_sums_bytes(std::int64_t batch, std::int64_t heads_q,
                                         std::int64_t len_q, std::int64_t head_dim) {
   if (head_dim != 64 && head_dim != 128) return 0;
   const std::int64_t tiles = (len_q + kHopperDqRows - 1) / kHopperDqRows;
   return std::size_t(batch * heads_q * tiles * kHopperDqRows * head_dim) * sizeof(float);
+}
+
+// dQ in fixed point (backward_params::dq_row_scale): the scale of row i's parts, 2^(29 - e) for
+// a bound on their magnitude below 2^e, so that every part and every sum of the row stays below
+// 2^29 (half of the 2^30 at which a part is flagged: the margin covers the rounding of P and dS
+// to the input dtype and of the bound itself); 1 for a zero bound (every part is then exactly
+// 0); 0 for a bound that is not finite (the row is flagged). The shift stops at 2^127.
+FLASHREF_INLINE float dq_fixed_scale(float bound) {
+  if (!(bound <= 3.4028234663852886e38f)) return 0.f;  // inf or NaN
+  if (bound == 0.f) return 1.f;
+  int e = 0;
+  (void)frexpf(bound, &e);  // bound = f 2^e, f in [0.5, 1)
+  return ldexpf(1.f, 29 - e < 127 ? 29 - e : 127);
 }
 
 // Delta = rowsum(dO ∘ O) into p.delta: every backward runs it first.

@@ -304,11 +304,12 @@ def attention_backward(
         ``"auto"`` runs CUDA tensors on the CUDA backend (the only one that takes device
         memory) and host memory on the first available backend with a backward pass.
     deterministic : bool
-        ``True`` (the default): the same gradient bits on every run. ``False`` lets the CUDA
-        backward on compute capability 9.0 (bf16 / fp16, D = 64 or 128, from 2048 keys; 8192
-        with a block mask) form dQ beside dK and dV and add the key tiles' parts in whatever
-        order they finish: faster there (docs/backends.md), dQ within the same tolerance but
-        not bitwise repeatable, dK and dV unchanged. Elsewhere it changes nothing.
+        ``True`` (the default): the same gradient bits on every run (the CUDA backward on
+        compute capability 9.0 adds dQ's parts in fixed point from 8192 keys, 16384 with a
+        block mask: docs/backends.md). ``False`` lets it add them as float32 in whatever order
+        they finish (bf16 / fp16, D = 64 or 128, from 2048 keys; 8192 with a block mask):
+        faster there, dQ within the same tolerance but not bitwise repeatable, dK and dV
+        unchanged. Elsewhere it changes nothing.
 
     Returns
     -------

@@ -344,22 +344,21 @@ struct device_entry_result {
   std::vector<float> dq, dk, dv;
 };
 
-// The device entry on `s` (bf16 in and out, [B, L, H, D], a stream; the caller's workspace or
-// the entry's own), judged against the golden gradients.
-device_entry_result check_device_entry(const problem_shape& s, fc::kernel_choice kernel,
-                                       bool caller_workspace, bool deterministic) {
-  CAPTURE(s.describe(), caller_workspace, name_of(kernel), deterministic);
-  problem_data d = flashref::test::build({"device entry", s, 72}, input_dtype::bfloat16);
-  fc::attention(d.problem());  // O, LSE in float32 on the host
-  flashref::test::add_upstream_gradient(d, 72);
+// The device entry on d's problem, O, LSE and dO (bf16 in and out, [B, L, H, D], a stream; the
+// caller's workspace or the entry's own); the gradients it wrote land in d (dO there rounded to
+// bf16 as the device saw it).
+device_entry_result run_device_entry(problem_data& d, fc::kernel_choice kernel,
+                                     bool caller_workspace, bool deterministic) {
+  CAPTURE(caller_workspace, name_of(kernel), deterministic);
   // The device copies: q, k, v, dO, O as bf16 [B, L, H, D]; LSE float32; dO rounded to bf16, so
   // the golden gradients are taken with the rounded dO.
   const flashref::attention_problem p = d.problem();
   const flashref::attention_gradients g = d.gradients();
-  for (std::int64_t b = 0; b < s.B; ++b)
-    for (std::int64_t h = 0; h < s.Hq; ++h)
-      for (std::int64_t i = 0; i < s.Lq; ++i)
-        for (std::int64_t x = 0; x < s.Dv; ++x)
+  const auto& do_shape = g.d_o.shape;
+  for (std::int64_t b = 0; b < do_shape[0]; ++b)
+    for (std::int64_t h = 0; h < do_shape[1]; ++h)
+      for (std::int64_t i = 0; i < do_shape[2]; ++i)
+        for (std::int64_t x = 0; x < do_shape[3]; ++x)
           const_cast<float&>(g.d_o(b, h, i, x)) = from_bf16_bits(bf16_bits(g.d_o(b, h, i, x)));
 
   device_memory mem;
@@ -416,9 +415,20 @@ device_entry_result check_device_entry(const problem_shape& s, fc::kernel_choice
   fetch(dp.d_q, g.dq);
   fetch(dp.d_k, g.dk);
   fetch(dp.d_v, g.dv);
+  return {workspace, as_vector(d.dq), as_vector(d.dk), as_vector(d.dv)};
+}
+
+// The device entry on `s` (run_device_entry), judged against the golden gradients.
+device_entry_result check_device_entry(const problem_shape& s, fc::kernel_choice kernel,
+                                       bool caller_workspace, bool deterministic) {
+  CAPTURE(s.describe());
+  problem_data d = flashref::test::build({"device entry", s, 72}, input_dtype::bfloat16);
+  fc::attention(d.problem());  // O, LSE in float32 on the host
+  flashref::test::add_upstream_gradient(d, 72);
+  const device_entry_result r = run_device_entry(d, kernel, caller_workspace, deterministic);
   FLASHREF_REQUIRE_GRADIENTS_CONFORM(
       flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
-  return {workspace, as_vector(d.dq), as_vector(d.dk), as_vector(d.dv)};
+  return r;
 }
 
 }  // namespace
@@ -439,55 +449,197 @@ TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, 
   REQUIRE(check_device_entry(s, kernel, caller_workspace, deterministic).workspace > 0);
 }
 
-TEST_CASE("cuda backward: the non-deterministic hopper dQ, beside dK and dV",
+// bound_i of backward.cuh ("dQ in fixed point") for each query row (B, Hq, Lq) of d, a bhld
+// problem, from the bf16 values the device entry uploads: max|K| (|| dO_i || max_j ||V_j|| +
+// |Delta_i|), the maxima over the batch's keys below kv_len, per key/value head.
+std::vector<double> fixed_point_bounds(const problem_data& d) {
+  const auto r = [](float x) { return double(from_bf16_bits(bf16_bits(x))); };
+  const auto& qs = d.q.shape();
+  const auto& ks = d.k.shape();
+  const std::size_t B = qs[0], Hq = qs[1], Lq = qs[2], Hk = ks[1], Lk = ks[2], D = ks[3];
+  std::vector<double> bound(B * Hq * Lq);
+  for (std::size_t b = 0; b < B; ++b) {
+    const std::size_t end =
+        d.opt.kv_len.empty() ? Lk : std::min<std::size_t>(Lk, std::size_t(d.opt.kv_len[b]));
+    for (std::size_t hk = 0; hk < Hk; ++hk) {
+      double k_max = 0., v_max = 0.;
+      for (std::size_t j = 0; j < end; ++j) {
+        double v2 = 0.;
+        for (std::size_t x = 0; x < D; ++x) {
+          k_max = std::max(k_max, std::fabs(r(d.k(b, hk, j, x))));
+          v2 += r(d.v(b, hk, j, x)) * r(d.v(b, hk, j, x));
+        }
+        v_max = std::max(v_max, std::sqrt(v2));
+      }
+      for (std::size_t h = hk * (Hq / Hk); h < (hk + 1) * (Hq / Hk); ++h)
+        for (std::size_t i = 0; i < Lq; ++i) {
+          double g2 = 0., delta = 0.;
+          for (std::size_t x = 0; x < D; ++x) {
+            g2 += r(d.d_o(b, h, i, x)) * r(d.d_o(b, h, i, x));
+            delta += r(d.d_o(b, h, i, x)) * r(d.o(b, h, i, x));
+          }
+          bound[(b * Hq + h) * Lq + i] = k_max * (std::sqrt(g2) * v_max + std::fabs(delta));
+        }
+    }
+  }
+  return bound;
+}
+
+// One rounding step of bf16 at the magnitude of x (x finite, not 0).
+float bf16_step(float x) {
+  return std::ldexp(1.f, std::ilogb(x) - 7);
+}
+
+TEST_CASE("cuda backward: the hopper dQ beside dK and dV, in fixed point and in float32",
           "[cuda][backward][race]") {
   if (!hopper_backward_device()) return;
-  // Long enough for the hopper kernel to form dQ beside dK and dV (Lk >= 4096; 16384 with a
-  // block mask); kv_len cuts a block's keys (its K rows past kv_len zeroed), GQA, the window
-  // moving the first key tile each query tile sees. D = 128 splits dQ's columns between the
-  // consumers, D = 64 its keys.
+  // Long enough for the hopper kernel to form dQ beside dK and dV in either mode (Lk >= 8192;
+  // 16384 with a block mask); kv_len cuts a block's keys (its K rows past kv_len zeroed), GQA,
+  // the window moving the first key tile each query tile sees. D = 128 splits dQ's columns between
+  // the consumers, D = 64 its keys.
   problem_shape s;
   s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 130, s.D = s.Dv = GENERATE(64, 128);
   const int shape = GENERATE(0, 1, 2);
-  if (shape == 0) s.Lk = 4100, s.causal = causal_mode::bottom_right, s.use_kv_len = true;
-  if (shape == 1) s.Lk = 4500, s.window_left = 2000, s.window_right = 100;
+  if (shape == 0) s.Lk = 8200, s.causal = causal_mode::bottom_right, s.use_kv_len = true;
+  if (shape == 1) s.Lk = 9000, s.window_left = 8500, s.window_right = 100;
   if (shape == 2) s.B = 1, s.Lk = 16400, s.block_q = 64, s.block_k = 96, s.block_density = 0.3;
   const bool caller_workspace = shape != 1;  // the entry's own workspace once
+  CAPTURE(s.describe());
+  problem_data d = flashref::test::build({"device entry", s, 72}, input_dtype::bfloat16);
+  fc::attention(d.problem());
+  flashref::test::add_upstream_gradient(d, 72);
   const device_entry_result sums =
-      check_device_entry(s, fc::kernel_choice::hopper, caller_workspace, false);
-  const device_entry_result pass =
-      check_device_entry(s, fc::kernel_choice::hopper, caller_workspace, true);
-  // The float32 sums (B x Hq x 192 rows x D floats) are what the workspace gained.
-  REQUIRE(sums.workspace == pass.workspace + std::size_t(s.B * s.Hq * 192 * s.D) * sizeof(float));
+      run_device_entry(d, fc::kernel_choice::hopper, caller_workspace, false);
+  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
+      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+  const device_entry_result fixed =
+      run_device_entry(d, fc::kernel_choice::hopper, caller_workspace, true);
+  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
+      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+  // Fixed point adds the rows' flags and scales (a word per query row each) and the bounds (two
+  // words per batch and key/value head) to the float32 mode's workspace, in 256-byte pieces;
+  // both hold the sums, B x Hq x 192 rows x D words (the float32 sums alone make 24 KiB or more).
+  const auto pieces = [](std::int64_t bytes) { return std::size_t((bytes + 255) / 256 * 256); };
+  REQUIRE(fixed.workspace ==
+          sums.workspace + 2 * pieces(s.B * s.Hq * s.Lq * 4) + pieces(s.B * s.Hk * 8));
+  REQUIRE(sums.workspace >= std::size_t(s.B * s.Hq * 192 * s.D) * 4);
   // dK and dV come from the same steps in the same order either way: the same bits.
-  REQUIRE(same_bits(sums.dk, pass.dk));
-  REQUIRE(same_bits(sums.dv, pass.dv));
+  REQUIRE(same_bits(fixed.dk, sums.dk));
+  REQUIRE(same_bits(fixed.dv, sums.dv));
+  // dQ: fixed point rounds each of a row's n parts (n key tiles at most) to a unit below
+  // 2^-28 bound_i (backward.cuh), so the two sums differ by under n 2^-29 bound_i, and float32's
+  // own rounding by far less: each element within one bf16 step of the other's plus scale n
+  // 2^-28 bound_i and n 2^-23 of the largest. And fixed point gives the same bits again.
+  const std::vector<double> bound = fixed_point_bounds(d);
+  const double n_parts = double((s.Lk + 127) / 128), scale = 1.0 / std::sqrt(double(s.D));
+  float largest = 0.f;
+  for (const float x : sums.dq)
+    largest = std::max(largest, std::fabs(x));
+  REQUIRE(largest > 0.f);
+  for (std::size_t n = 0; n < sums.dq.size(); ++n) {
+    const float a = fixed.dq[n], b = sums.dq[n];
+    if (a == b) continue;
+    const double row_bound = bound[n / std::size_t(s.D)];
+    CAPTURE(n, a, b, largest, row_bound);
+    REQUIRE(std::fabs(a - b) <= bf16_step(std::max(std::fabs(a), std::fabs(b))) +
+                                    scale * n_parts * std::ldexp(row_bound, -28) +
+                                    n_parts * std::ldexp(largest, -23));
+  }
+  const device_entry_result again =
+      run_device_entry(d, fc::kernel_choice::hopper, !caller_workspace, true);
+  REQUIRE(same_bits(again.dq, fixed.dq));
 }
 
-// Where the opt-in applies (the dQ sums in the workspace): from 2048 keys a row can see without a
-// block mask (a window bounding both sides counts its span, causal bounds the right side), from
-// 8192 with one; below, deterministic = false changes nothing.
-TEST_CASE("cuda backward: where the non-deterministic hopper dQ applies", "[cuda][backward]") {
+// What fixed point adds to the rows: a row whose dO is 0 gets dQ = 0 exactly (its bound is 0);
+// an LSE far below its row's log-sum-exp breaks the bound (Σ_j P_ij > 1) and the row's dQ is
+// NaN rather than a sum that wrapped; a NaN in a key reaches the rows whose parts include its key
+// tile (the rows that see it, and those that mask it within its tile, whose product met 0 ·
+// NaN), not the others: the bounds leave it out.
+TEST_CASE(
+    "cuda backward: the hopper dQ in fixed point for rows of zero dO or short LSE or NaN keys",
+    "[cuda][backward]") {
+  if (!hopper_backward_device()) return;
+  // Row i sees keys up to 8000 + i (bottom-right causal): rows from 192 on see the key tile
+  // [8192, 8320).
+  problem_shape s;
+  s.B = 1, s.Hq = 2, s.Hk = 1, s.Lq = 300, s.Lk = 8300, s.D = s.Dv = GENERATE(64, 128);
+  s.causal = causal_mode::bottom_right;
+  CAPTURE(s.describe());
+  problem_data d = flashref::test::build({"fixed point", s, 74}, input_dtype::bfloat16);
+  fc::attention(d.problem());
+  flashref::test::add_upstream_gradient(d, 74);
+  const auto row_is = [&](std::int64_t h, std::int64_t i, auto&& what) {
+    for (std::int64_t x = 0; x < s.D; ++x)
+      if (!what(d.dq(0, h, i, x))) return false;
+    return true;
+  };
+  const auto finite = [](float x) { return std::isfinite(x); };
+  const auto nan = [](float x) { return std::isnan(x); };
+  SECTION("dO = 0 in a row") {
+    for (std::int64_t x = 0; x < s.Dv; ++x)
+      d.d_o(0, 1, 7, x) = 0.f;
+    run_device_entry(d, fc::kernel_choice::hopper, true, true);
+    FLASHREF_REQUIRE_GRADIENTS_CONFORM(
+        flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+    REQUIRE(row_is(1, 7, [](float x) { return x == 0.f && !std::signbit(x); }));
+    REQUIRE_FALSE(row_is(1, 8, [](float x) { return x == 0.f; }));  // the next row is not
+  }
+  SECTION("an LSE 40 below its row's log-sum-exp") {
+    // P e^40: the row's parts pass 2^30 however loose its bound (float32 sums would hold
+    // e^40 times its dQ, finite and wrong).
+    d.lse(0, 0, 150) -= 40.f;
+    run_device_entry(d, fc::kernel_choice::hopper, true, true);
+    for (std::int64_t h = 0; h < s.Hq; ++h)
+      for (std::int64_t i = 0; i < s.Lq; ++i) {
+        CAPTURE(h, i);
+        REQUIRE((h == 0 && i == 150 ? row_is(h, i, nan) : row_is(h, i, finite)));
+      }
+  }
+  SECTION("a NaN in key 8200 of the key tile [8192, 8320)") {
+    d.k(0, 0, 8200, 5) = NAN;  // after the forward: O and LSE stay finite
+    run_device_entry(d, fc::kernel_choice::hopper, true, true);
+    for (std::int64_t h = 0; h < s.Hq; ++h)
+      for (std::int64_t i = 0; i < s.Lq; ++i) {
+        CAPTURE(h, i);
+        if (i < 192) REQUIRE(row_is(h, i, finite));
+        if (i >= 200) REQUIRE(row_is(h, i, nan));
+      }
+  }
+}
+
+// Where the hopper kernel forms dQ beside dK and dV (the dQ sums in the workspace), by the keys a
+// row can see (a window bounding both sides counts its span, causal bounds the right side): in
+// float32 from 2048 (8192 with a block mask), in fixed point from 8192 (16384 with one); below,
+// dQ has its own pass.
+TEST_CASE("cuda backward: where the hopper dQ beside dK and dV applies", "[cuda][backward]") {
   if (!hopper_backward_device()) return;
   struct rule_case {
     std::int64_t lk;
     bool block_mask;
     causal_mode causal;
     std::int64_t left, right;
-    bool applies;
+    bool applies;        // float32 sums (deterministic = false)
+    bool fixed_applies;  // fixed-point sums (the default)
   };
   const causal_mode none = causal_mode::none, br = causal_mode::bottom_right;
-  const rule_case c = GENERATE_COPY(values<rule_case>({{2048, false, none, -1, -1, true},
-                                                       {2047, false, none, -1, -1, false},
-                                                       {2048, false, br, -1, -1, true},
-                                                       {8192, false, none, 1000, 1047, true},
-                                                       {8192, false, none, 1000, 1046, false},
-                                                       {8192, false, br, 2047, 5000, true},
-                                                       {8192, false, br, 2046, -1, false},
-                                                       {8192, false, none, 3000, -1, true},
-                                                       {8192, true, none, -1, -1, true},
-                                                       {8191, true, none, -1, -1, false},
-                                                       {16384, true, none, 4000, 4000, false}}));
+  const rule_case c =
+      GENERATE_COPY(values<rule_case>({{2048, false, none, -1, -1, true, false},
+                                       {2047, false, none, -1, -1, false, false},
+                                       {2048, false, br, -1, -1, true, false},
+                                       {8192, false, none, -1, -1, true, true},
+                                       {8191, false, br, -1, -1, true, false},
+                                       {8192, false, none, 1000, 1047, true, false},
+                                       {8192, false, none, 1000, 1046, false, false},
+                                       {8192, false, br, 2047, 5000, true, false},
+                                       {8192, false, br, 2046, -1, false, false},
+                                       {8192, false, none, 3000, -1, true, true},
+                                       {9000, false, none, 4095, 4096, true, true},
+                                       {9000, false, none, 4095, 4095, true, false},
+                                       {8192, true, none, -1, -1, true, false},
+                                       {8191, true, none, -1, -1, false, false},
+                                       {16384, true, none, -1, -1, true, true},
+                                       {16383, true, br, -1, -1, true, false},
+                                       {16384, true, none, 4000, 4000, false, false}}));
   CAPTURE(c.lk, c.block_mask, c.left, c.right, static_cast<int>(c.causal));
   const std::int64_t B = 1, H = 1, Lq = 64, D = 64;
   device_memory mem;
@@ -520,9 +672,11 @@ TEST_CASE("cuda backward: where the non-deterministic hopper dQ applies", "[cuda
   dp.d_v = tensor(c.lk);
   const std::size_t fixed = fc::backward_workspace_bytes(dp);
   dp.deterministic = false;
-  const std::size_t opt_in = fc::backward_workspace_bytes(dp);
-  // The sums: 64 rows x 64 floats for the one query tile.
-  REQUIRE(opt_in == fixed + (c.applies ? std::size_t(64 * 64 * 4) : 0));
+  const std::size_t float32 = fc::backward_workspace_bytes(dp);
+  // Delta's 256 bytes and a spare 256 always; where the sums apply, 64 rows x 64 words for the
+  // one query tile, and in fixed point the rows' flags and scales and the bounds, 256 each.
+  REQUIRE(float32 == 512 + (c.applies ? std::size_t(64 * 64 * 4) : 0));
+  REQUIRE(fixed == 512 + (c.fixed_applies ? std::size_t(64 * 64 * 4 + 3 * 256) : 0));
 }
 
 // The gradients' layout decides how they are stored (16-byte pieces of whole columns where

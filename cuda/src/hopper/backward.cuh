@@ -93,6 +93,7 @@ struct bwd_barriers {
   bwd_stage_info info[kBwdStages];
   float lse_base[kBwdStages][kBwdRows];  // exp_base(LSE) log2 e of the stage's rows
   float delta[kBwdStages][kBwdRows];
+  float dq_scale[kBwdStages][kBwdRows];  // dQ in fixed point: dq_fixed_scale of the stage's rows
 
   __device__ void init() {
     mbar_init(&resident, 1);
@@ -128,6 +129,21 @@ using dq_barriers = bwd_barriers<1, 4 * kConsumers>;
 // key tiles of a query tile add in the order they finish, so the sums are not bitwise
 // repeatable; a last kernel scales them into dQ. (Key tiles taking turns in a fixed order were
 // measured and lost to the dQ pass: cuda/NOTES.md.)
+
+// dQ in fixed point (the default where dQ is formed beside dK and dV): the sums are int32 and
+// integer addition is associative, so they are the same bits whatever order the key tiles add
+// in. Row i's parts are multiplied by s_i = dq_fixed_scale(bound_i), a power of two, and
+// rounded to integers; the last kernel divides by it. The bound holds for every part and every
+// sum of the row:
+//     |Σ_j dS_ij K_jd| <= max|K| · Σ_j P_ij (|dP_ij| + |Delta_i|)
+//                      <= max|K| · (||dO_i|| · max_j ||V_j|| + |Delta_i|)  =: bound_i
+// since |dP_ij| = |dO_i · V_j| <= ||dO_i|| ||V_j|| and Σ_j P_ij <= 1 with the forward's LSE
+// (max|K| and max||V_j|| over the batch's keys below key_end, per key/value head, found by a
+// first kernel; bound_i by a second, after Delta). So |parts| < 2^29 and no sum wraps; each part
+// is rounded to within 2^-29 bound_i, far below the rounding of P and dS to the input dtype
+// (cuda/NOTES.md, "b6"). A part that is NaN, inf or 2^30 or more in magnitude (non-finite
+// inputs, or an LSE far below the row's log-sum-exp: not the forward's) flags its row, and the
+// last kernel writes NaN there, as float32 sums would hold NaN or a value e^(the gap) too large.
 
 // Named barriers of the consumer warpgroups (0 is __syncthreads).
 inline constexpr int kDsBarrier = 1;     // D = 128: both consumers' dSᵀ stored

@@ -91,6 +91,15 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, const void* s_sr
       "r"(smem_addr(s_src)), "r"(bytes)
       : "memory");
 }
+// dst[0 .. bytes / 4) += src[...] (32-bit integers, two's complement: the sum is the same
+// whatever the order of the additions), by the bulk copy engine.
+__device__ __forceinline__ void bulk_reduce_add_s32(std::int32_t* dst, const void* s_src,
+                                                    unsigned bytes) {
+  asm volatile(
+      "cp.reduce.async.bulk.global.shared::cta.bulk_group.add.u32 [%0], [%1], %2;\n" ::"l"(dst),
+      "r"(smem_addr(s_src)), "r"(bytes)
+      : "memory");
+}
 __device__ __forceinline__ void bulk_commit() {
   asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
 }

@@ -49,18 +49,20 @@ struct device_backward_problem {
   // there after the kernels.
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
-  // true: bitwise the same gradients on every run (dQ by a pass of its own). false lets the
-  // hopper kernel (D = 64, 128) form dQ beside dK and dV where that is faster (rows that can
-  // see 2048 keys or more, 8192 with a block mask), adding each key tile's part to float32 sums
-  // in whatever order the key tiles finish: on an H200 2-16 % faster there (cuda/NOTES.md,
-  // "b4.1" to "b4.3"), dQ within the same tolerance but not bitwise repeatable; dK and dV
-  // unchanged. Elsewhere it changes nothing.
+  // true: bitwise the same gradients on every run. Where the hopper kernel (D = 64, 128) forms
+  // dQ beside dK and dV (rows that can see 8192 keys or more, 16384 with a block mask) it adds
+  // each key tile's part to fixed-point int32 sums, whose additions give the same bits in any
+  // order (cuda/NOTES.md, "b6"); elsewhere dQ has its own pass. A row whose LSE lies far below
+  // its log-sum-exp (not the forward's) can leave the fixed-point range: its dQ is then NaN.
+  // false lets those sums be float32, added in whatever order the key tiles finish, and from
+  // fewer keys (2048; 8192 with a block mask): faster, dQ within the same tolerance but not
+  // bitwise repeatable; dK and dV unchanged.
   bool deterministic = true;
 };
 
 // Scratch the backward needs: Delta = rowsum(dO ∘ O), B·Hq·Lq floats, and where dQ is formed
-// beside dK and dV (deterministic = false) its float32 sums, B·Hq·Lq·D floats (Lq rounded up
-// to a multiple of 64).
+// beside dK and dV its sums, B·Hq·Lq·D words (Lq rounded up to a multiple of 64), with, in
+// fixed point, two more words per query row and two per (batch, key/value head).
 std::size_t backward_workspace_bytes(const device_backward_problem& p);
 
 // Device entry: validates shapes, dtypes and pointers on the host (check_device_memory), then
