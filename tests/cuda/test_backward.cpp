@@ -276,6 +276,26 @@ TEST_CASE("cuda backward: dQ over many key tiles is exact and repeatable",
   }
 }
 
+TEST_CASE("cuda backward: dQ in fixed point on float16 and bfloat16, exact and repeatable",
+          "[cuda][backward]") {
+  // Long enough for the hopper kernel's fixed-point dQ (8192 keys a row can see, causal);
+  // kv_len cuts a key tile, GQA, both input types through the host entry.
+  if (!hopper_backward_device()) return;
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 150, s.Lk = 8300, s.D = s.Dv = GENERATE(64, 128);
+  s.causal = causal_mode::bottom_right, s.use_kv_len = true;
+  const input_dtype dtype = GENERATE(input_dtype::float16, input_dtype::bfloat16);
+  CAPTURE(s.describe(), flashref::to_string(dtype));
+  problem_data d = flashref::test::build({"fixed point dtypes", s, 75}, dtype);
+  fc::attention(d.problem());
+  flashref::test::add_upstream_gradient(d, 75);
+  fc::attention_backward(d.problem(), d.gradients(), fc::kernel_choice::hopper);
+  FLASHREF_REQUIRE_GRADIENTS_CONFORM(flashref::test::check_backward_against_naive(d, dtype));
+  const std::vector<float> dq = as_vector(d.dq);
+  fc::attention_backward(d.problem(), d.gradients(), fc::kernel_choice::hopper);
+  REQUIRE(same_bits(as_vector(d.dq), dq));
+}
+
 namespace {
 
 // Device memory freed at the end of a test.
