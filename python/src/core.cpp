@@ -580,9 +580,9 @@ void validate_device_backward(const call& c, const grads_call& g) {
 
 #if defined(FLASHREF_HAVE_CUDA)
 // Device memory: the CUDA backward's device entry on the caller's stream, over the caller's
-// tensors in place. Its workspace (Delta, B·Hq·Lq floats; dQ's float32 sums where
-// `deterministic` is false and the Hopper kernel forms dQ beside dK and dV) is allocated and
-// freed on that stream by the entry (cudaMallocAsync).
+// tensors in place. Its workspace (Delta, B·Hq·Lq floats; dQ's sums where the Hopper kernel
+// forms dQ beside dK and dV, fixed point or, with `deterministic` false, float32) is allocated
+// and freed on that stream by the entry (cudaMallocAsync).
 void run_device_backward(const call& c, const grads_call& g, const device_dtypes& t,
                          const device_gradient_dtypes& gt, bool deterministic,
                          std::uintptr_t stream) {
