@@ -197,7 +197,7 @@ void enqueue_backward(const device_backward_problem& p, kernel_kind kernel, cons
     bp.kv_bounds = reinterpret_cast<std::uint32_t*>(take(kv_bounds_bytes(p, kernel)));
   }
   const input_dtype in = p.forward.q.dtype;
-  cudaError_t e = detail::launch_backward_delta(bp, stream);
+  cudaError_t e = detail::launch_backward_delta(bp, to_elem(in), stream);
   if (e == cudaSuccess) {
     switch (kernel) {
       case kernel_kind::hopper:

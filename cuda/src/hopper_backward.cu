@@ -583,9 +583,9 @@ struct dkdv_pass_t {
   __device__ static void zero_k_tail(const hopper_bwd_params& hp, const layout<kD>& smem,
                                      int consumer) {
     const kernel_params& p = hp.bp.fwd;
-    if (p.mask.kv_len == nullptr) return;
+    if (p.mask.kv_len == nullptr) return;  // past Lk TMA has zero-filled the rows
     const std::int64_t k0 = std::int64_t(blockIdx.x) * kBwdKeys + consumer * 64;
-    const std::int64_t end = p.mask.kv_len[blockIdx.z];
+    const std::int64_t end = p.mask.key_end(blockIdx.z);
     if (end >= k0 + 64) return;
     using k_tile = box_tile<kBwdKeys, kD>;
     // Whole rows [r0, 64 consumer + 64) of each box, 16 bytes per store (the swizzle permutes
@@ -650,114 +650,6 @@ __global__ void dq_from_sums(const backward_params bp) {
                      at.col * bp.dq_stride[3],
                  p.scale * value, bp.grad_out);
     }
-  }
-}
-
-// --- dQ in fixed point: the bounds and the rows' scales ---------------------------------------
-
-// Rows of a (rows, kD) tensor of 16-bit elements by groups of kD / 8 lanes, 8 elements (16
-// bytes) per lane: the group's row and this lane's elements.
-template <class T, int kD>
-struct row_group {
-  static constexpr int kLanes = kD / 8;
-  static constexpr int kRowsPerWarp = 32 / kLanes;
-  static __device__ void load(const T* row, float (&x)[8]) {
-    const uint4 raw = *reinterpret_cast<const uint4*>(row + (threadIdx.x % kLanes) * 8);
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < 8; ++i)
-      x[i] = to_float(e[i]);
-  }
-  // The sum over the group's lanes (consecutive lanes of one warp).
-  static __device__ float sum(float v) {
-#pragma unroll
-    for (int o = kLanes / 2; o > 0; o /= 2)
-      v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-  }
-};
-
-// max |K| and max_j ||V_j||^2 over the keys of batch z below key_end, per key/value head y, by
-// blocks of kBwdKeys keys, into bp.kv_bounds (zeroed first) by atomicMax on the float bits
-// (non-negative floats order as their bits; the maximum does not depend on the order). NaN and
-// inf are left out: they flag the rows they reach (add_dq).
-inline constexpr int kBoundThreads = 128;
-template <class T, int kD>
-__global__ void __launch_bounds__(kBoundThreads) kv_bounds_kernel(const backward_params bp) {
-  using G = row_group<T, kD>;
-  const kernel_params& p = bp.fwd;
-  const std::int64_t b = blockIdx.z, hk = blockIdx.y;
-  const std::int64_t k0 = std::int64_t(blockIdx.x) * kBwdKeys, end = p.mask.key_end(b);
-  const std::int64_t k1 = end < k0 + kBwdKeys ? end : k0 + kBwdKeys;
-  const int warp = static_cast<int>(threadIdx.x / 32), lane = static_cast<int>(threadIdx.x % 32);
-  float k_max = 0.f, v_max = 0.f;
-  // Whole warps step together (the group sums shuffle across the warp); a lane past k1 adds 0.
-  for (std::int64_t j0 = k0 + warp * G::kRowsPerWarp; j0 < k1;
-       j0 += (kBoundThreads / 32) * G::kRowsPerWarp) {
-    const std::int64_t j = j0 + lane / G::kLanes;
-    float k[8] = {}, v[8] = {};
-    if (j < k1) {
-      G::load(
-          static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1] + j * p.k_stride[2],
-          k);
-      G::load(
-          static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1] + j * p.v_stride[2],
-          v);
-    }
-    float v2 = 0.f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      if (isfinite(k[i])) k_max = fmaxf(k_max, fabsf(k[i]));
-      if (isfinite(v[i])) v2 = fmaf(v[i], v[i], v2);
-    }
-    v_max = fmaxf(v_max, G::sum(v2));  // inf where finite values overflow: the rows get flagged
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o /= 2) {
-    k_max = fmaxf(k_max, __shfl_xor_sync(0xffffffffu, k_max, o));
-    v_max = fmaxf(v_max, __shfl_xor_sync(0xffffffffu, v_max, o));
-  }
-  if (lane == 0) {
-    std::uint32_t* at = bp.kv_bounds + (b * p.heads_k + hk) * 2;
-    atomicMax(at, __float_as_uint(k_max));
-    atomicMax(at + 1, __float_as_uint(v_max));
-  }
-}
-
-// Row n of (B, Hq, Lq): dq_row_scale[n] = dq_fixed_scale(bound_n) (backward.cuh), a row whose
-// bound is not finite (dO, or O through Delta) flagged; rows by groups of kD / 8 lanes.
-template <class T, int kD>
-__global__ void __launch_bounds__(kBoundThreads) dq_row_scales_kernel(const backward_params bp) {
-  using G = row_group<T, kD>;
-  const kernel_params& p = bp.fwd;
-  const std::int64_t rows = p.batch * p.heads_q * p.len_q;
-  const std::int64_t per_block = kBoundThreads / G::kLanes;
-  // Whole warps step together (the group sums shuffle across the warp); a lane past the last
-  // row reads and writes nothing.
-  for (std::int64_t n0 =
-           std::int64_t(blockIdx.x) * per_block + (threadIdx.x / 32) * G::kRowsPerWarp;
-       n0 < rows; n0 += std::int64_t(gridDim.x) * per_block) {
-    const std::int64_t n = n0 + (threadIdx.x % 32) / G::kLanes;
-    const std::int64_t i = n % p.len_q, h = (n / p.len_q) % p.heads_q;
-    const std::int64_t b = n / (p.len_q * p.heads_q);
-    float g[8] = {};
-    if (n < rows) {
-      G::load(static_cast<const T*>(bp.d_o) + b * bp.d_o_stride[0] + h * bp.d_o_stride[1] +
-                  i * bp.d_o_stride[2],
-              g);
-    }
-    float g2 = 0.f;
-#pragma unroll
-    for (int x = 0; x < 8; ++x)
-      g2 = fmaf(g[x], g[x], g2);
-    g2 = G::sum(g2);
-    if (threadIdx.x % G::kLanes != 0 || n >= rows) continue;
-    const std::uint32_t* kv = bp.kv_bounds + (b * p.heads_k + h / p.group) * 2;
-    const float bound =
-        __uint_as_float(kv[0]) * (sqrtf(g2) * sqrtf(__uint_as_float(kv[1])) + fabsf(bp.delta[n]));
-    const float scale = dq_fixed_scale(bound);
-    bp.dq_row_scale[n] = scale;
-    if (scale == 0.f) bp.dq_row_flags[n] = 1;
   }
 }
 
@@ -978,7 +870,7 @@ cudaError_t make_maps(bwd_maps& m, const backward_params& bp, elem input, int kD
 }
 
 // The dK, dV pass of `Pass`, then dQ: scaled from the sums the dK, dV kernel with dQ left
-// (dkdvq_pass, dkdvq_fixed_pass: first the bounds and the rows' scales), or by its own pass.
+// (dkdvq_pass, dkdvq_fixed_pass: the rows' scales came with Delta), or by its own pass.
 template <class Pass, class T, int kD>
 cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t stream) {
   const kernel_params& p = bp.fwd;
@@ -1001,23 +893,6 @@ cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t st
     e = cudaMemsetAsync(bp.dq_sums, 0, hopper_dq_sums_bytes(p.batch, p.heads_q, p.len_q, kD),
                         stream);
     if (e != cudaSuccess) return e;
-  }
-  if (kFixed && queries) {
-    const std::int64_t rows = p.batch * p.heads_q * p.len_q;
-    e = cudaMemsetAsync(bp.dq_row_flags, 0, std::size_t(rows) * 4, stream);
-    if (e == cudaSuccess) {
-      e = cudaMemsetAsync(bp.kv_bounds, 0, std::size_t(p.batch * p.heads_k) * 8, stream);
-    }
-    if (e != cudaSuccess) return e;
-    if (p.len_k > 0) {
-      const dim3 grid(static_cast<unsigned>((p.len_k + kBwdKeys - 1) / kBwdKeys),
-                      static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
-      kv_bounds_kernel<T, kD><<<grid, kBoundThreads, 0, stream>>>(bp);
-    }
-    const std::int64_t per_block = kBoundThreads / row_group<T, kD>::kLanes;
-    const std::int64_t blocks = (rows + per_block - 1) / per_block;
-    dq_row_scales_kernel<T, kD>
-        <<<static_cast<unsigned>(blocks < 65536 ? blocks : 65536), kBoundThreads, 0, stream>>>(bp);
   }
   if (p.len_k > 0 && p.heads_k > 0 && p.batch > 0) {
     e = make_maps(hp.maps, bp, input, kD, kBwdRows, kBwdKeys);

@@ -107,8 +107,8 @@ struct backward_params {
   // Non-null with dq_sums: the sums are fixed point, int32 (hopper/backward.cuh, "dQ in fixed
   // point"): row i's parts times dq_row_scale[i], a power of two chosen from a bound on |dQ_i|
   // so that no sum leaves 2^30, rounded to integers whose additions give the same bits in any
-  // order. Each of the three arrays below lies in the workspace; the launch zeroes the flags
-  // and the bounds and fills the scales.
+  // order. Each of the three arrays below lies in the workspace, filled by
+  // launch_backward_delta (the flags then raised by the Hopper kernel).
   float* dq_row_scale = nullptr;          // (B, Hq, Lq)
   std::uint32_t* dq_row_flags = nullptr;  // (B, Hq, Lq): 1 where a part was NaN, inf or too large
   std::uint32_t* kv_bounds = nullptr;     // (B, Hk, 2): max |K|, max ||V_j||^2 as float bits
@@ -137,8 +137,10 @@ FLASHREF_INLINE float dq_fixed_scale(float bound) {
   return ldexpf(1.f, 29 - e < 127 ? 29 - e : 127);
 }
 
-// Delta = rowsum(dO ∘ O) into p.delta: every backward runs it first.
-cudaError_t launch_backward_delta(const backward_params& p, cudaStream_t stream);
+// Delta = rowsum(dO ∘ O) into p.delta: every backward runs it first. With fixed-point dQ
+// (p.dq_row_scale set: the Hopper backward, bf16 or fp16 `input` in 16-byte rows) it first finds
+// the key/value bounds, then writes each row's scale and flag beside Delta.
+cudaError_t launch_backward_delta(const backward_params& p, elem input, cudaStream_t stream);
 
 // The tensor-core backward (the same problems as launch_tensor_core, and dO in the input element
 // type with the same layout rule): dK, dV per key tile, then dQ by its own pass.

@@ -1,6 +1,7 @@
 // The backward pass (SPEC §9) outside the tensor cores: the Delta pre-pass every backward runs
-// first, and the float32 SIMT backward (any strides, head dims up to kSimtMaxHeadDim, any element
-// types).
+// first (for dQ in fixed point, with the key/value bounds before it and each row's scale beside
+// Delta), and the float32 SIMT backward (any strides, head dims up to kSimtMaxHeadDim, any
+// element types).
 //
 // The SIMT backward is two kernels, each owning what it writes, so that no sum depends on the
 // order in which blocks run (bitwise deterministic):
@@ -14,6 +15,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 #include "launch.hpp"
@@ -43,7 +45,25 @@ __device__ __forceinline__ std::uint32_t group_or(std::uint32_t bits) {
   return bits;
 }
 
-// Delta_i = Σ_d dO_id O_id, one warp per row, summed in a fixed order.
+// dQ in fixed point (launch.hpp, dq_fixed_scale): row n's scale from the bound
+// max|K| (||dO_n|| max_j ||V_j|| + |Delta_n|) on every part and every sum of its dQ
+// (hopper/backward.cuh, "dQ in fixed point"), given ||dO_n||^2, Delta_n and the bounds of its
+// batch and key/value head (kv_bounds_kernel, run before); the row's flag is 1 where the bound is
+// not finite (dO, or O through Delta), else 0.
+__device__ __forceinline__ void set_dq_row_scale(const backward_params& bp, std::int64_t n,
+                                                 std::int64_t b, std::int64_t h, float d_o_sq,
+                                                 float delta) {
+  const kernel_params& p = bp.fwd;
+  const std::uint32_t* kv = bp.kv_bounds + (b * p.heads_k + h / p.group) * 2;
+  const float bound =
+      __uint_as_float(kv[0]) * (sqrtf(d_o_sq) * sqrtf(__uint_as_float(kv[1])) + fabsf(delta));
+  const float scale = dq_fixed_scale(bound);
+  bp.dq_row_scale[n] = scale;
+  bp.dq_row_flags[n] = scale == 0.f ? 1u : 0u;
+}
+
+// Delta_i = Σ_d dO_id O_id, one warp per row, summed in a fixed order; with fixed-point dQ
+// (dq_row_scale set) also ||dO_i||^2 and the row's scale.
 __global__ void delta_kernel(const backward_params bp) {
   const kernel_params& p = bp.fwd;
   const std::int64_t row = std::int64_t(blockIdx.x) * kRowsPerDeltaBlock + threadIdx.x / 32;
@@ -53,14 +73,19 @@ __global__ void delta_kernel(const backward_params bp) {
                      b = row / (p.len_q * p.heads_q);
   const std::int64_t o_row = b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
   const std::int64_t d_o_row = b * bp.d_o_stride[0] + h * bp.d_o_stride[1] + i * bp.d_o_stride[2];
-  float s = 0.f;
+  float s = 0.f, g2 = 0.f;
   for (std::int64_t d = lane; d < p.head_dim_v; d += 32) {
-    s = fmaf(load_elem(bp.d_o, d_o_row + d * bp.d_o_stride[3], bp.d_o_elem),
-             load_elem(p.o, o_row + d * p.o_stride[3], p.out), s);
+    const float g = load_elem(bp.d_o, d_o_row + d * bp.d_o_stride[3], bp.d_o_elem);
+    s = fmaf(g, load_elem(p.o, o_row + d * p.o_stride[3], p.out), s);
+    g2 = fmaf(g, g, g2);
   }
-  for (int off = 16; off > 0; off /= 2)
+  for (int off = 16; off > 0; off /= 2) {
     s += __shfl_xor_sync(kFullWarp, s, off);
-  if (lane == 0) bp.delta[row] = s;
+    g2 += __shfl_xor_sync(kFullWarp, g2, off);
+  }
+  if (lane != 0) return;
+  bp.delta[row] = s;
+  if (bp.dq_row_scale != nullptr) set_dq_row_scale(bp, row, b, h, g2, s);
 }
 
 // Delta by 16-byte loads, for O and dO whose rows are 16-byte aligned with unit column stride
@@ -88,15 +113,26 @@ __device__ __forceinline__ void load8(const T* src, float (&x)[8]) {
     x[i] = to_float(e[i]);
 }
 
+// The sum over each group of kLanes consecutive lanes of the warp (a butterfly; every lane of the
+// warp calls it), in an order fixed by the lanes alone.
+template <int kLanes>
+__device__ __forceinline__ float lane_group_sum(float v) {
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off /= 2)
+    v += __shfl_xor_sync(kFullWarp, v, off);
+  return v;
+}
+
+// Delta (and with fixed-point dQ, ||dO||^2 and the row's scale) by kDeltaLanes lanes per row.
 template <class TO, class TdO>
 __global__ void __launch_bounds__(kDeltaThreads) delta_rows_kernel(const backward_params bp) {
   const kernel_params& p = bp.fwd;
   const std::int64_t rows = p.batch * p.heads_q * p.len_q;
   const std::int64_t row = (std::int64_t(blockIdx.x) * kDeltaThreads + threadIdx.x) / kDeltaLanes;
   const int lane = static_cast<int>(threadIdx.x % kDeltaLanes);
-  float s = 0.f;
-  if (row < rows) {  // every lane takes part in the butterfly below
-    std::int64_t i, h, b;
+  float s = 0.f, g2 = 0.f;
+  std::int64_t i = 0, h = 0, b = 0;
+  if (row < rows) {                          // every lane takes part in the butterflies below
     if (rows <= std::int64_t(UINT32_MAX)) {  // 32-bit division where the rows allow
       const auto r = static_cast<std::uint32_t>(row);
       const auto lq = static_cast<std::uint32_t>(p.len_q),
@@ -114,13 +150,85 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_rows_kernel(const backwar
       load8(o + c, xo);
       load8(d_o + c, xd);
 #pragma unroll
-      for (int e = 0; e < 8; ++e)
+      for (int e = 0; e < 8; ++e) {
         s = fmaf(xd[e], xo[e], s);
+        g2 = fmaf(xd[e], xd[e], g2);
+      }
     }
   }
-  for (int off = kDeltaLanes / 2; off > 0; off /= 2)
-    s += __shfl_xor_sync(kFullWarp, s, off);
-  if (row < rows && lane == 0) bp.delta[row] = s;
+  s = lane_group_sum<kDeltaLanes>(s);
+  // The same for every thread; never with dO in float32 (the Hopper backward takes dO in its
+  // 16-bit input type), whose instance is then spared the square roots' calls.
+  const bool fixed = !std::is_same_v<TdO, float> && bp.dq_row_scale != nullptr;
+  if (fixed) g2 = lane_group_sum<kDeltaLanes>(g2);
+  if (row >= rows || lane != 0) return;
+  bp.delta[row] = s;
+  if (fixed) set_dq_row_scale(bp, row, b, h, g2, s);
+}
+
+// dQ in fixed point: max |K| and max_j ||V_j||^2 over the keys of batch z below key_end, per
+// key/value head y, into bp.kv_bounds (zeroed first) by atomicMax on the float bits (non-negative
+// floats order as their bits: the maxima do not depend on the order). kDeltaLanes lanes per key
+// as in delta_rows_kernel (K and V in 16-byte rows: the Hopper backward's TMA layout), each warp
+// stepping over its keys of the block's kBoundKeys. NaN and inf are left out: they flag the rows
+// they reach (hopper_backward.cu, add_dq).
+constexpr int kBoundKeys = 256;
+template <class T>
+__global__ void __launch_bounds__(kDeltaThreads) kv_bounds_kernel(const backward_params bp) {
+  const kernel_params& p = bp.fwd;
+  const std::int64_t b = blockIdx.z, hk = blockIdx.y;
+  const std::int64_t k0 = std::int64_t(blockIdx.x) * kBoundKeys, end = p.mask.key_end(b);
+  const std::int64_t k1 = end < k0 + kBoundKeys ? end : k0 + kBoundKeys;
+  constexpr int kKeysPerWarp = 32 / kDeltaLanes, kWarps = kDeltaThreads / 32;
+  const int lane = static_cast<int>(threadIdx.x % kDeltaLanes);
+  const T* gk = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+  const T* gv = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+  float k_max = 0.f, v_max = 0.f;
+  // Whole warps step together (the lane groups' sums shuffle across the warp); a lane past k1
+  // adds 0.
+  for (std::int64_t j0 = k0 + (threadIdx.x / 32) * kKeysPerWarp; j0 < k1;
+       j0 += kWarps * kKeysPerWarp) {
+    const std::int64_t j = j0 + (threadIdx.x % 32) / kDeltaLanes;
+    float v2 = 0.f;
+    if (j < k1) {
+      for (std::int64_t c = 8 * lane; c < p.head_dim; c += 8 * kDeltaLanes) {
+        float x[8];
+        load8(gk + j * p.k_stride[2] + c, x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (isfinite(x[e])) k_max = fmaxf(k_max, fabsf(x[e]));
+      }
+      for (std::int64_t c = 8 * lane; c < p.head_dim_v; c += 8 * kDeltaLanes) {
+        float x[8];
+        load8(gv + j * p.v_stride[2] + c, x);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (isfinite(x[e])) v2 = fmaf(x[e], x[e], v2);
+      }
+    }
+    v_max = fmaxf(v_max, lane_group_sum<kDeltaLanes>(v2));  // inf where finite values overflow:
+                                                            // the rows get flagged
+  }
+  for (int off = 16; off > 0; off /= 2) {
+    k_max = fmaxf(k_max, __shfl_xor_sync(kFullWarp, k_max, off));
+    v_max = fmaxf(v_max, __shfl_xor_sync(kFullWarp, v_max, off));
+  }
+  if (threadIdx.x % 32 == 0) {
+    std::uint32_t* at = bp.kv_bounds + (b * p.heads_k + hk) * 2;
+    atomicMax(at, __float_as_uint(k_max));
+    atomicMax(at + 1, __float_as_uint(v_max));
+  }
+}
+
+template <class T>
+cudaError_t launch_kv_bounds(const backward_params& bp, cudaStream_t stream) {
+  const kernel_params& p = bp.fwd;
+  cudaError_t e = cudaMemsetAsync(bp.kv_bounds, 0, std::size_t(p.batch * p.heads_k) * 8, stream);
+  if (e != cudaSuccess || p.len_k == 0) return e;
+  const dim3 grid(static_cast<unsigned>((p.len_k + kBoundKeys - 1) / kBoundKeys),
+                  static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
+  kv_bounds_kernel<T><<<grid, kDeltaThreads, 0, stream>>>(bp);
+  return cudaGetLastError();
 }
 
 // Unit column stride and every row's start on 16 bytes (the base pointer and the three outer
@@ -376,10 +484,15 @@ cudaError_t launch_simt_bwd(const backward_params& bp, cudaStream_t stream) {
 
 }  // namespace
 
-cudaError_t launch_backward_delta(const backward_params& bp, cudaStream_t stream) {
+cudaError_t launch_backward_delta(const backward_params& bp, elem input, cudaStream_t stream) {
   const std::int64_t rows = bp.fwd.batch * bp.fwd.heads_q * bp.fwd.len_q;
   if (rows == 0) return cudaSuccess;
   const kernel_params& p = bp.fwd;
+  if (bp.dq_row_scale != nullptr) {  // fixed-point dQ: the key/value bounds first
+    const cudaError_t e = input == elem::f16 ? launch_kv_bounds<__half>(bp, stream)
+                                             : launch_kv_bounds<__nv_bfloat16>(bp, stream);
+    if (e != cudaSuccess) return e;
+  }
   // The 16-byte kernel where the layout allows and its grid stays within 2^31 - 1 blocks.
   const std::int64_t per_block = kDeltaThreads / kDeltaLanes;
   if (p.head_dim_v % 8 == 0 && rows_of_16_bytes(p.o, p.o_stride, p.out) &&

@@ -91,9 +91,6 @@ struct bwd_barriers {
   std::uint64_t full[kBwdStages];
   std::uint64_t empty[kBwdStages];
   bwd_stage_info info[kBwdStages];
-  float lse_base[kBwdStages][kBwdRows];  // exp_base(LSE) log2 e of the stage's rows
-  float delta[kBwdStages][kBwdRows];
-  float dq_scale[kBwdStages][kBwdRows];  // dQ in fixed point: dq_fixed_scale of the stage's rows
 
   __device__ void init() {
     mbar_init(&resident, 1);
@@ -115,7 +112,11 @@ struct bwd_barriers {
     }
   }
 };
-using dkdv_barriers = bwd_barriers<32, 128 * kConsumers>;
+struct dkdv_barriers : bwd_barriers<32, 128 * kConsumers> {
+  float lse_base[kBwdStages][kBwdRows];  // exp_base(LSE) log2 e of the stage's rows
+  float delta[kBwdStages][kBwdRows];
+  float dq_scale[kBwdStages][kBwdRows];  // dQ in fixed point: dq_fixed_scale of the stage's rows
+};
 using dq_barriers = bwd_barriers<1, 4 * kConsumers>;
 
 // --- dQ inside the dK, dV kernel (not deterministic) ----------------------------------------
@@ -139,11 +140,12 @@ using dq_barriers = bwd_barriers<1, 4 * kConsumers>;
 //                      <= max|K| · (||dO_i|| · max_j ||V_j|| + |Delta_i|)  =: bound_i
 // since |dP_ij| = |dO_i · V_j| <= ||dO_i|| ||V_j|| and Σ_j P_ij <= 1 with the forward's LSE
 // (max|K| and max||V_j|| over the batch's keys below key_end, per key/value head, found by a
-// first kernel; bound_i by a second, after Delta). So |parts| < 2^29 and no sum wraps; each part
-// is rounded to within 2^-29 bound_i, far below the rounding of P and dS to the input dtype
-// (cuda/NOTES.md, "b6"). A part that is NaN, inf or 2^30 or more in magnitude (non-finite
-// inputs, or an LSE far below the row's log-sum-exp: not the forward's) flags its row, and the
-// last kernel writes NaN there, as float32 sums would hold NaN or a value e^(the gap) too large.
+// kernel before Delta; bound_i by the Delta kernel beside Delta_i: simt_backward.cu). So |parts| <
+// 2^29 and no sum wraps; each part is rounded to within 2^-29 bound_i, far below the rounding of P
+// and dS to the input dtype (cuda/NOTES.md, "b6"). A part that is NaN, inf or 2^30 or more in
+// magnitude (non-finite inputs, or an LSE far below the row's log-sum-exp: not the forward's) flags
+// its row, and the last kernel writes NaN there, as float32 sums would hold NaN or a value e^(the
+// gap) too large.
 
 // Named barriers of the consumer warpgroups (0 is __syncthreads).
 inline constexpr int kDsBarrier = 1;     // D = 128: both consumers' dSᵀ stored
