@@ -29,6 +29,7 @@ struct vec {
   static constexpr int W = 8;
   static constexpr int kQkRows = 6, kQkVecs = 2;  // 12 accumulators of 16 registers
   static constexpr int kPvRows = 6, kPvVecs = 2;
+  static constexpr int kGemmRows = 6, kGemmVecs = 2;  // the backward's
   static constexpr int kPeakAccumulators = 12;
   static constexpr std::int64_t kTileQ = 128, kTileK = 128;
 

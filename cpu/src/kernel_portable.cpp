@@ -21,6 +21,7 @@ struct vec {
   };
   static constexpr int kQkRows = 4, kQkVecs = 2;
   static constexpr int kPvRows = 4, kPvVecs = 2;
+  static constexpr int kGemmRows = 4, kGemmVecs = 2;  // the backward's
   static constexpr int kPeakAccumulators = 8;
   static constexpr std::int64_t kTileQ = 32, kTileK = 64;
 
