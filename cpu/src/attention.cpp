@@ -392,6 +392,8 @@ void run(const attention_problem& p, const storage_of& st, const options& opt) {
   }
   const std::size_t ws_floats = kt.workspace_floats(ctx);
   const std::size_t ws_bytes = (ws_floats * sizeof(float) + 63) / 64 * 64 + 64;
+  // The element mask of a partial tile: tk rows of the tile kernel's padded stride
+  // (round_up(tq, W) + 16 with W <= 16, tile_layout::ldt), or tq rows of the row kernel's keys.
   const std::size_t vis_bytes =
       std::size_t((ceil_div(pl.tile_k, 16) + 1) * 16 * (ceil_div(pl.tile_q, 16) + 1) * 16);
   const int threads = int(std::min<std::int64_t>(pl.threads, std::max<std::int64_t>(items, 1)));
