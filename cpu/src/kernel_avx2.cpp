@@ -32,6 +32,7 @@ struct vec {
   static constexpr int kGemmRows = 6, kGemmVecs = 2;  // the backward's
   static constexpr int kPeakAccumulators = 12;
   static constexpr std::int64_t kTileQ = 128, kTileK = 128;
+  static constexpr std::int64_t kFwdTileQ = kTileQ;  // the forward's (kernel_table.inc)
 
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
   static reg load(const bf16_bits* p) {  // bfloat16 bits are the high half of a float's

@@ -24,6 +24,7 @@ struct vec {
   static constexpr int kGemmRows = 4, kGemmVecs = 2;  // the backward's
   static constexpr int kPeakAccumulators = 8;
   static constexpr std::int64_t kTileQ = 32, kTileK = 64;
+  static constexpr std::int64_t kFwdTileQ = kTileQ;  // the forward's (kernel_table.inc)
 
   template <class F>
   static reg map(F f) {
