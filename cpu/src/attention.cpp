@@ -289,8 +289,11 @@ plan make_plan(const attention_problem& p, const options& opt) {
   // blocks sees (256-row tiles over 128-row blocks at density 0.44 took 1.5 x the time of
   // 128-row ones): under such a mask the default query tile is no taller than the key tile.
   if (opt.tile_q <= 0 && p.has_block_mask() && p.block_q < pl.tile_q)
-    pl.tile_q = std::min(pl.tile_q, kt.default_tk);
+    pl.tile_q = std::min(pl.tile_q, kt.block_tk);
   pl.tile_k = opt.tile_k > 0 ? opt.tile_k : kt.default_tk;
+  // Likewise a key tile wider than the blocks computes every block of it that one row sees: the
+  // bf16 paths' 256-key tile (dense work) gives way to their 128-key one there.
+  if (opt.tile_k <= 0 && p.has_block_mask() && p.block_k < pl.tile_k) pl.tile_k = kt.block_tk;
   pl.threads = opt.threads > 0 ? opt.threads : omp_get_max_threads();
 
   const std::int64_t Lk = p.len_k();

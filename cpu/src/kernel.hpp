@@ -124,6 +124,7 @@ struct kernel_table {
   int width;                // floats per SIMD register
   std::int64_t default_tq;  // default tile sizes (multiples of the register blocking)
   std::int64_t default_tk;
+  std::int64_t block_tk;  // the default key tile under a block mask of narrower key blocks
   std::size_t (*workspace_floats)(const context& ctx);
   void (*run)(const context& ctx, const work_item& item, const out_rows& out, thread_workspace& ws);
   // bf16 kernels only (else null): fills ctx.kb, ctx.vt and ctx.v_bad for one (batch, kv head).
