@@ -80,6 +80,11 @@ bool has_f16c() {
 bool has_avx512_bf16() {
   return cpuid_bit(7, 1, 0, 5);  // leaf 7 subleaf 1, EAX bit 5
 }
+bool vendor_is_amd() {
+  unsigned a = 0, b = 0, c = 0, d = 0;  // leaf 0: the vendor string in EBX, EDX, ECX
+  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
+  return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "Auth" "enti" "cAMD"
+}
 
 // AMX-BF16 and AMX-TILE (leaf 7, EDX bits 22 and 24), and the operating system's grant of the
 // tile state: Linux keeps the AMX tile data out of a process's state until the process asks for
@@ -239,6 +244,18 @@ std::vector<half_path> supported_half_paths(input_dtype dtype) {
   return out;
 }
 
+half_path preferred_half_path(input_dtype dtype) {
+  const std::vector<half_path> paths = supported_half_paths(dtype);
+  const auto has = [&](half_path h) {
+    return std::find(paths.begin(), paths.end(), h) != paths.end();
+  };
+  if (has(half_path::amx)) return half_path::amx;
+#if defined(FLASHREF_CPU_X86)
+  if (has(half_path::avx512_bf16) && vendor_is_amd()) return half_path::avx512_bf16;
+#endif
+  return half_path::convert;
+}
+
 std::vector<isa> supported_isas() {
   std::vector<isa> out;
   for (isa i : {isa::portable, isa::avx2, isa::avx512})
@@ -268,7 +285,7 @@ plan make_plan(const attention_problem& p, const options& opt) {
     const std::vector<half_path> paths = supported_half_paths(p.dtype);
     if (opt.half == half_path::automatic) {
       // The bf16 kernels are AVX-512 kernels: a lesser instruction set converts.
-      if (pl.used == isa::avx512) pl.half = paths.back();
+      if (pl.used == isa::avx512) pl.half = preferred_half_path(p.dtype);
     } else if (std::find(paths.begin(), paths.end(), opt.half) == paths.end() ||
                (opt.half != half_path::convert && pl.used != isa::avx512)) {
       std::string expected = "a path this processor runs for ";

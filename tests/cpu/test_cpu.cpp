@@ -5,10 +5,14 @@
 // same for bfloat16 and float16 inputs on every half path the processor runs (convert,
 // avx512_bf16, amx), through float32 and through 16-bit storage.
 #include <catch2/catch.hpp>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#endif
 
 #include <algorithm>
 #include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 #include <vector>
@@ -280,14 +284,33 @@ TEST_CASE("cpu: the half paths this processor runs", "[cpu][half]") {
     const bool listed = std::find(bf16.begin(), bf16.end(), h) != bf16.end();
     CHECK(listed == flashref::cpu::supported(h));
   }
-  // automatic takes the last (best) path on AVX-512, and convert on a lesser instruction set.
+  // automatic takes amx where granted, avx512_bf16 on AMD's cores only (their vdpbf16ps
+  // outruns the FMAs; Intel's does not), convert otherwise and on a lesser instruction set.
+  const half_path preferred = flashref::cpu::preferred_half_path(input_dtype::bfloat16);
+  CHECK(std::find(bf16.begin(), bf16.end(), preferred) != bf16.end());
+  CHECK(flashref::cpu::preferred_half_path(input_dtype::float16) == half_path::convert);
+  CHECK(flashref::cpu::preferred_half_path(input_dtype::float32) == half_path::convert);
+  if (flashref::cpu::supported(half_path::amx)) CHECK(preferred == half_path::amx);
+#if defined(__x86_64__)
+  if (!flashref::cpu::supported(half_path::amx)) {
+    unsigned a = 0, b = 0, c = 0, e = 0;
+    __get_cpuid(0, &a, &b, &c, &e);
+    char vendor[13] = {};
+    std::memcpy(vendor, &b, 4), std::memcpy(vendor + 4, &e, 4), std::memcpy(vendor + 8, &c, 4);
+    CAPTURE(vendor);
+    const bool amd = std::string(vendor) == "AuthenticAMD";
+    CHECK(preferred == (amd && flashref::cpu::supported(half_path::avx512_bf16)
+                            ? half_path::avx512_bf16
+                            : half_path::convert));
+  }
+#endif
   problem_shape s;
   s.Lq = 40, s.Lk = 50, s.D = 16, s.Dv = 16;
   flashref::problem_data d = flashref::test::random_problem(s, 81);
   flashref::test::round_inputs(d, input_dtype::bfloat16);
   const flashref::attention_problem p = d.problem();
   const flashref::cpu::plan best = flashref::cpu::make_plan(p);
-  CHECK(best.half == (best.used == isa::avx512 ? bf16.back() : half_path::convert));
+  CHECK(best.half == (best.used == isa::avx512 ? preferred : half_path::convert));
   CHECK(flashref::cpu::make_plan(p, with_isa(isa::portable)).half == half_path::convert);
   for (half_path h : bf16)
     CHECK(flashref::cpu::make_plan(p, with_half(h)).half == h);

@@ -43,9 +43,15 @@ const char* to_string(half_path h);
 half_path parse_half_path(const std::string& s);  // "automatic" | "convert" | ...
 bool compiled(half_path h);
 bool supported(half_path h);  // built, run by this processor and (amx) granted by the OS
-// The paths that can run inputs of `dtype` on this processor: convert first, best last
-// (float32: none).
+// The paths that can run inputs of `dtype` on this processor, convert first (float32: none).
 std::vector<half_path> supported_half_paths(input_dtype dtype);
+// What `automatic` takes for inputs of `dtype` on AVX-512 (a lesser instruction set converts):
+// amx where the processor has it and the OS grants it; avx512_bf16 where its dot product
+// outruns the fp32 FMAs, which is on AMD's cores (Zen 4 and 5 issue a 32-pair vdpbf16ps as
+// often as a 16-lane FMA or more); convert otherwise — on Intel's cores vdpbf16ps measured half
+// the multiply-adds per second of their two FMA ports, and the fp32 kernel over 16-bit storage
+// ran 1.7 x the avx512_bf16 kernel (docs/benchmarks.md). float32: convert.
+half_path preferred_half_path(input_dtype dtype);
 
 struct options {
   std::int64_t tile_q = 0;  // query rows per tile; 0 = the instruction set's default
