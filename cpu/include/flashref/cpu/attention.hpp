@@ -47,10 +47,10 @@ bool supported(half_path h);  // built, run by this processor and (amx) granted 
 std::vector<half_path> supported_half_paths(input_dtype dtype);
 // What `automatic` takes for inputs of `dtype` on AVX-512 (a lesser instruction set converts):
 // amx where the processor has it and the OS grants it; avx512_bf16 where its dot product
-// outruns the fp32 FMAs, which is on AMD's cores (Zen 4 and 5 issue a 32-pair vdpbf16ps as
-// often as a 16-lane FMA or more); convert otherwise — on Intel's cores vdpbf16ps measured half
-// the multiply-adds per second of their two FMA ports, and the fp32 kernel over 16-bit storage
-// ran 1.7 x the avx512_bf16 kernel (docs/benchmarks.md). float32: convert.
+// outruns the fp32 FMAs, which is on AMD's cores (on Zen 4 the bf16 kernel ran 1.7 x the fp32
+// one); convert otherwise — on an Intel Xeon vdpbf16ps measured half the multiply-adds per
+// second of the FMAs, and the fp32 kernel over 16-bit storage ran 1.7 x the avx512_bf16 kernel
+// (docs/benchmarks.md). float32: convert.
 half_path preferred_half_path(input_dtype dtype);
 
 struct options {
