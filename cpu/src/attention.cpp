@@ -80,10 +80,13 @@ bool has_f16c() {
 bool has_avx512_bf16() {
   return cpuid_bit(7, 1, 0, 5);  // leaf 7 subleaf 1, EAX bit 5
 }
-bool vendor_is_amd() {
-  unsigned a = 0, b = 0, c = 0, d = 0;  // leaf 0: the vendor string in EBX, EDX, ECX
-  if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
-  return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "Auth" "enti" "cAMD"
+bool vendor_is_amd() {  // asked once per process (CPUID traps to the hypervisor in a VM)
+  static const bool amd = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;  // leaf 0: the vendor string in EBX, EDX, ECX
+    if (__get_cpuid(0, &a, &b, &c, &d) == 0) return false;
+    return b == 0x68747541u && d == 0x69746e65u && c == 0x444d4163u;  // "Auth" "enti" "cAMD"
+  }();
+  return amd;
 }
 
 // AMX-BF16 and AMX-TILE (leaf 7, EDX bits 22 and 24), and the operating system's grant of the
