@@ -48,15 +48,15 @@ struct hopper_params {
   std::uint32_t* nonfinite_flags;
 };
 
-template <class T, int kD, int kC>
+template <class T, int kD, int kC, int kK>
 __global__ void __launch_bounds__(sm90::block_shape<kC>::kThreads, 1)
     hopper_kernel(const __grid_constant__ hopper_params hp) {
 #if FLASHREF_SM90A
   using namespace sm90;
   using shape = block_shape<kC>;
   extern __shared__ __align__(1024) unsigned char s_raw[];
-  __shared__ barriers<tiles<kD, kC>::kStages, kC> bar;
-  const shared_tiles<kD, kC> smem(s_raw);
+  __shared__ barriers<tiles<kD, kC, kK>::kStages, kC> bar;
+  const shared_tiles<kD, kC, kK> smem(s_raw);
   const int warpgroup = static_cast<int>(threadIdx.x) / 128;
   if (threadIdx.x == 0) {
     bar.init();
@@ -67,10 +67,10 @@ __global__ void __launch_bounds__(sm90::block_shape<kC>::kThreads, 1)
   __syncthreads();
   if (warpgroup == 0) {
     setmaxnreg_dec<shape::kProducerRegs>();
-    if (threadIdx.x < 32) produce<T, kD, kC>(hp, s_raw, bar);
+    if (threadIdx.x < 32) produce<T, kD, kC, kK>(hp, s_raw, bar);
   } else {
     setmaxnreg_inc<shape::kConsumerRegs>();
-    consume<T, kD, kC>(hp.p, warpgroup - 1, smem, bar, hp.nonfinite_flags);
+    consume<T, kD, kC, kK>(hp.p, warpgroup - 1, smem, bar, hp.nonfinite_flags);
   }
 #else
   (void)hp;
@@ -84,10 +84,10 @@ std::int64_t persistent_blocks(std::int64_t items, int sm_count) {
   return items < sm_count ? items : sm_count;
 }
 
-template <class T, int kD, int kC>
+template <class T, int kD, int kC, int kK>
 cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_counter,
                    std::uint32_t* nonfinite_flags, int sm_count, cudaStream_t stream) {
-  using t = sm90::tiles<kD, kC>;
+  using t = sm90::tiles<kD, kC, kK>;
   hopper_params hp{};
   hp.p = p;
   hp.work_counter = work_counter;
@@ -104,8 +104,8 @@ cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_count
   }
   if (e != cudaSuccess) return e;
   constexpr int kSmem = t::kSmemBytes;
-  e = cudaFuncSetAttribute(hopper_kernel<T, kD, kC>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                           kSmem);
+  e = cudaFuncSetAttribute(hopper_kernel<T, kD, kC, kK>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   if (e != cudaSuccess) return e;
   if (work_counter != nullptr) {
     e = cudaMemsetAsync(work_counter, 0, sizeof(std::uint32_t), stream);
@@ -115,7 +115,7 @@ cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_count
   const std::int64_t items = sm90::work_items<t::kTileQ>(p);
   if (items > std::int64_t(INT32_MAX)) return cudaErrorInvalidValue;
   const std::int64_t blocks = persistent_blocks(items, sm_count);
-  hopper_kernel<T, kD, kC>
+  hopper_kernel<T, kD, kC, kK>
       <<<static_cast<unsigned>(blocks), sm90::block_shape<kC>::kThreads, kSmem, stream>>>(hp);
   return cudaGetLastError();
 }
@@ -144,22 +144,28 @@ std::int64_t hopper_flag_count(const kernel_params& p, int sm_count) {
 
 cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
                           std::uint32_t* nonfinite_flags, int sm_count, cudaStream_t stream) {
-  // The instantiation for (kD, kC), in bf16 or fp16.
-  const auto typed = [&](auto d, auto c) {
-    constexpr int kD = decltype(d)::value, kC = decltype(c)::value;
-    return input == elem::f16
-               ? launch<__half, kD, kC>(p, input, work_counter, nonfinite_flags, sm_count, stream)
-               : launch<__nv_bfloat16, kD, kC>(p, input, work_counter, nonfinite_flags, sm_count,
-                                               stream);
+  // The instantiation for (kD, kC, kK), in bf16 or fp16.
+  const auto typed = [&](auto d, auto c, auto k) {
+    constexpr int kD = decltype(d)::value, kC = decltype(c)::value, kK = decltype(k)::value;
+    return input == elem::f16 ? launch<__half, kD, kC, kK>(p, input, work_counter, nonfinite_flags,
+                                                           sm_count, stream)
+                              : launch<__nv_bfloat16, kD, kC, kK>(
+                                    p, input, work_counter, nonfinite_flags, sm_count, stream);
   };
   using two = std::integral_constant<int, 2>;
+  using keys128 = std::integral_constant<int, 128>;
   if (p.head_dim == 64) {
     using d64 = std::integral_constant<int, 64>;
-    return hopper_consumers(p) == 3 ? typed(d64{}, std::integral_constant<int, 3>{})
-                                    : typed(d64{}, two{});
+    return hopper_consumers(p) == 3 ? typed(d64{}, std::integral_constant<int, 3>{}, keys128{})
+                                    : typed(d64{}, two{}, keys128{});
   }
-  if (p.head_dim == 256) return typed(std::integral_constant<int, 256>{}, two{});
-  return typed(std::integral_constant<int, 128>{}, two{});
+  if (p.head_dim == 256) {
+    using d256 = std::integral_constant<int, 256>;
+    return p.mask.block_mask != nullptr
+               ? typed(d256{}, two{}, std::integral_constant<int, sm90::tile_keys(256, true)>{})
+               : typed(d256{}, two{}, std::integral_constant<int, sm90::tile_keys(256, false)>{});
+  }
+  return typed(std::integral_constant<int, 128>{}, two{}, keys128{});
 }
 
 }  // namespace flashref::cuda::detail

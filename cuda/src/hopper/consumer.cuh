@@ -29,22 +29,25 @@
 
 namespace flashref::cuda::detail::sm90 {
 
-template <class T, int kD, int kC, int kS>
-__device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD, kC>& smem,
+template <class T, int kD, int kC, int kK, int kS>
+__device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD, kC, kK>& smem,
                                            int consumer, int stage) {
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks) {
     if constexpr (kS == 32) {
       wgmma_ss_n64<T>(s, smem.q_desc(consumer, ks), smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
+    } else if constexpr (kS == 40) {
+      wgmma_ss_n80<T>(s, smem.q_desc(consumer, ks), smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
     } else {
+      static_assert(kS == 64, "key tiles of 64, 80 or 128");
       wgmma_ss_n128<T>(s, smem.q_desc(consumer, ks), smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
     }
   }
 }
 
 // O (64, kD) += P V over 16 keys; at D = 256 as two products of 128 columns (the second half's
-// descriptor two 64-column boxes further on).
-template <class T, int kD>
+// descriptor two 64-column boxes of kK rows further on).
+template <class T, int kD, int kK>
 __device__ __forceinline__ void pv_product(float (&acc)[kD / 2], const std::uint32_t (&a)[4],
                                            std::uint64_t desc_v) {
   if constexpr (kD == 64) {
@@ -53,7 +56,7 @@ __device__ __forceinline__ void pv_product(float (&acc)[kD / 2], const std::uint
     wgmma_rs_n128<T>(acc, a, desc_v);
   } else {
     static_assert(kD == 256, "head dims 64, 128, 256");
-    constexpr std::uint64_t kHalf = (2 * key_tiles<kD>::kKVBoxBytes) >> 4;  // descriptor units
+    constexpr std::uint64_t kHalf = (2 * key_tiles<kD, kK>::kKVBoxBytes) >> 4;  // descriptor units
     wgmma_rs_n128<T>(*reinterpret_cast<float(*)[64]>(&acc[0]), a, desc_v);
     wgmma_rs_n128<T>(*reinterpret_cast<float(*)[64]>(&acc[64]), a, desc_v + kHalf);
   }
@@ -92,13 +95,13 @@ struct consumer_ring {
 // (wait<1>), and runs tile j's mask and softmax while P_{j-1} V_{j-1} still runs on the tensor
 // cores; only the rescale of O waits for it (wait<0>). Stage j - 1 is released after that.
 // On entry stage ring.it holds the item's first tile (`info`) and Q has arrived.
-template <class T, int kD, int kC>
+template <class T, int kD, int kC, int kK>
 __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, int consumer,
-                                   const shared_tiles<kD, kC>& smem,
-                                   consumer_ring<tiles<kD, kC>::kStages, kC>& ring,
+                                   const shared_tiles<kD, kC, kK>& smem,
+                                   consumer_ring<tiles<kD, kC, kK>::kStages, kC>& ring,
                                    stage_info info) {
-  constexpr int kS = tiles<kD, kC>::kTileK / 2;  // accumulator floats of S per thread
-  constexpr int kO = kD / 2;                     // accumulator floats of O per thread
+  constexpr int kS = tiles<kD, kC, kK>::kTileK / 2;  // accumulator floats of S per thread
+  constexpr int kO = kD / 2;                         // accumulator floats of O per thread
   const fragment_coords at(consumer);
   const tile_mask mask{p.mask, w, score_scale(p.scale)};
   fragment_softmax softmax;
@@ -108,8 +111,8 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
   // O += P_prev V_prev: issued, committed, not waited for.
   const auto issue_pv = [&](int s) {
 #pragma unroll
-    for (int kk = 0; kk < tiles<kD, kC>::kTileK / 16; ++kk)
-      pv_product<T, kD>(rO, rP[kk], smem.v_desc(s, kk));
+    for (int kk = 0; kk < tiles<kD, kC, kK>::kTileK / 16; ++kk)
+      pv_product<T, kD, kK>(rO, rP[kk], smem.v_desc(s, kk));
   };
   // Tile j's scores to unnormalised probabilities: the partial-tile mask, then the softmax step.
   const auto probabilities = [&](float(&rS)[kS], const stage_info& tile, float(&exp_old)[2]) {
@@ -121,7 +124,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     const int s = ring.stage(ring.it);
     float rS[kS];  // (64, kTileK) per warpgroup
     wgmma_fence();
-    qk_product<T, kD, kC>(rS, smem, consumer, s);
+    qk_product<T, kD, kC, kK>(rS, smem, consumer, s);
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rS);
@@ -140,7 +143,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     // S_j = Q K_j^T, then O += P_{j-1} V_{j-1} behind it; wait for S_j alone.
     float rS[kS];
     wgmma_fence();
-    qk_product<T, kD, kC>(rS, smem, consumer, s);
+    qk_product<T, kD, kC, kK>(rS, smem, consumer, s);
     wgmma_commit();
     issue_pv(prev);
     wgmma_commit();
@@ -174,12 +177,13 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
 // One work item, the products in sequence: S_j, its softmax, then P_j V_j, each waited for
 // before the next step (the two consumer warpgroups overlap each other by scheduling). On entry
 // stage ring.it holds the item's first tile (`info`) and Q has arrived.
-template <class T, int kD, int kC>
+template <class T, int kD, int kC, int kK>
 __device__ void consume_serial(const kernel_params& p, const tile_work& w, int consumer,
-                               const shared_tiles<kD, kC>& smem,
-                               consumer_ring<tiles<kD, kC>::kStages, kC>& ring, stage_info info) {
-  constexpr int kS = tiles<kD, kC>::kTileK / 2;  // accumulator floats of S per thread
-  constexpr int kO = kD / 2;                     // accumulator floats of O per thread
+                               const shared_tiles<kD, kC, kK>& smem,
+                               consumer_ring<tiles<kD, kC, kK>::kStages, kC>& ring,
+                               stage_info info) {
+  constexpr int kS = tiles<kD, kC, kK>::kTileK / 2;  // accumulator floats of S per thread
+  constexpr int kO = kD / 2;                         // accumulator floats of O per thread
   const fragment_coords at(consumer);
   const tile_mask mask{p.mask, w, score_scale(p.scale)};
   fragment_softmax softmax;
@@ -191,7 +195,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
     // S = Q K^T
     float rS[kS];  // (64, kTileK) per warpgroup
     wgmma_fence();
-    qk_product<T, kD, kC>(rS, smem, consumer, s);
+    qk_product<T, kD, kC, kK>(rS, smem, consumer, s);
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rS);
@@ -207,8 +211,8 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
     mbar_wait(&ring.bar.v_full[s], ring.parity(ring.it));
     wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < tiles<kD, kC>::kTileK / 16; ++kk)
-      pv_product<T, kD>(rO, rP[kk], smem.v_desc(s, kk));
+    for (int kk = 0; kk < tiles<kD, kC, kK>::kTileK / 16; ++kk)
+      pv_product<T, kD, kK>(rO, rP[kk], smem.v_desc(s, kk));
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rO);
@@ -228,10 +232,11 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
 //
 // With `nonfinite_flags` set, each consumer warp writes its word of them when the block's work
 // is done: flags[block * 4 kC + warp] = 1 when a value it stored was NaN or inf, else 0.
-template <class T, int kD, int kC>
-__device__ void consume(const kernel_params& p, int consumer, const shared_tiles<kD, kC>& smem,
-                        barriers<tiles<kD, kC>::kStages, kC>& bar, std::uint32_t* nonfinite_flags) {
-  using t = tiles<kD, kC>;
+template <class T, int kD, int kC, int kK>
+__device__ void consume(const kernel_params& p, int consumer, const shared_tiles<kD, kC, kK>& smem,
+                        barriers<tiles<kD, kC, kK>::kStages, kC>& bar,
+                        std::uint32_t* nonfinite_flags) {
+  using t = tiles<kD, kC, kK>;
   consumer_ring<t::kStages, kC> ring{bar};
   for (;;) {
     const stage_info first = ring.next();
@@ -251,9 +256,9 @@ __device__ void consume(const kernel_params& p, int consumer, const shared_tiles
     }
     ring.wait_q();
     if constexpr (t::kOverlap) {
-      consume_overlapped<T, kD, kC>(p, w, consumer, smem, ring, first);
+      consume_overlapped<T, kD, kC, kK>(p, w, consumer, smem, ring, first);
     } else {
-      consume_serial<T, kD, kC>(p, w, consumer, smem, ring, first);
+      consume_serial<T, kD, kC, kK>(p, w, consumer, smem, ring, first);
     }
   }
 }

@@ -20,11 +20,11 @@ struct tensor_maps {
   CUtensorMap q, k, v;
 };
 
-// V rows [k0, k0 + key_tiles<kD>::kTileK) with rows at or past key_end zero-filled, by the 32 lanes
-// of the warp with ordinary loads and stores, in the layout TMA would have written. Used for the
-// tile that straddles kv_len: the keys past it may be uninitialised (a KV cache's padding), and P V
-// must never multiply a zero probability by a NaN there.
-template <class T, int kD>
+// V rows [k0, k0 + key_tiles<kD, kK>::kTileK) with rows at or past key_end zero-filled, by the 32
+// lanes of the warp with ordinary loads and stores, in the layout TMA would have written. Used for
+// the tile that straddles kv_len: the keys past it may be uninitialised (a KV cache's padding), and
+// P V must never multiply a zero probability by a NaN there.
+template <class T, int kD, int kK>
 __device__ void load_v_rows_zero_tail(unsigned char* s_v, const kernel_params& p,
                                       const tile_work& w, std::int64_t k0, std::int64_t key_end) {
   constexpr int kChunks = kD / 8;  // 16-byte chunks per row
@@ -32,7 +32,7 @@ __device__ void load_v_rows_zero_tail(unsigned char* s_v, const kernel_params& p
   // The lane read afresh (volatile): otherwise the compiler hoists this rare loop's per-lane
   // offsets out of the producer's loops and keeps them live there, past the producer's budget.
   const unsigned lane = read_lane();
-  for (int idx = static_cast<int>(lane); idx < key_tiles<kD>::kTileK * kChunks; idx += 32) {
+  for (int idx = static_cast<int>(lane); idx < key_tiles<kD, kK>::kTileK * kChunks; idx += 32) {
     const int row = idx / kChunks;
     const int chunk = idx % kChunks;
     uint4 data = make_uint4(0, 0, 0, 0);
@@ -41,8 +41,8 @@ __device__ void load_v_rows_zero_tail(unsigned char* s_v, const kernel_params& p
     }
     const int box = chunk / 8;
     const int swizzled = (chunk % 8) ^ (row % 8);
-    *reinterpret_cast<uint4*>(s_v + box * key_tiles<kD>::kKVBoxBytes + row * 128 + swizzled * 16) =
-        data;
+    *reinterpret_cast<uint4*>(s_v + box * key_tiles<kD, kK>::kKVBoxBytes + row * 128 +
+                              swizzled * 16) = data;
   }
 }
 
@@ -79,14 +79,14 @@ __device__ __forceinline__ void close_stage(barriers<kStages, kC>& bar, int it, 
 
 // One work item: Q once (after the consumers have read the previous item's Q), then each
 // visible key tile's K and V into the next free stage, then the stage that closes the item.
-template <class T, int kD, int kC, class Params>
-__device__ __forceinline__ producer_counts produce_item(const Params& hp, unsigned char* raw,
-                                                        barriers<tiles<kD, kC>::kStages, kC>& bar,
-                                                        int work, producer_counts n) {
-  using t = tiles<kD, kC>;
+template <class T, int kD, int kC, int kK, class Params>
+__device__ __forceinline__ producer_counts
+produce_item(const Params& hp, unsigned char* raw, barriers<tiles<kD, kC, kK>::kStages, kC>& bar,
+             int work, producer_counts n) {
+  using t = tiles<kD, kC, kK>;
   const kernel_params& p = hp.p;
   const tensor_maps& maps = hp.maps;
-  const shared_tiles<kD, kC> smem(raw);  // rebuilt here: fewer registers live across the call
+  const shared_tiles<kD, kC, kK> smem(raw);  // rebuilt here: fewer registers live across the call
   const bool leader = threadIdx.x % 32 == 0;
   const tile_work w = work_tile<t::kTileQ>(p, work);
   // A block without a block mask (block_shape::kBlockMask) walks a range in fewer registers.
@@ -120,7 +120,7 @@ __device__ __forceinline__ producer_counts produce_item(const Params& hp, unsign
       }
     }
     if (v_tail) {
-      load_v_rows_zero_tail<T, kD>(smem.v_stage(s), p, w, k0, walker.key_end);
+      load_v_rows_zero_tail<T, kD, kK>(smem.v_stage(s), p, w, k0, walker.key_end);
       fence_proxy_async();  // the stores above are read by wgmma next
       __syncwarp();
       if (leader) mbar_arrive(&bar.v_full[s]);
@@ -135,27 +135,27 @@ __device__ __forceinline__ producer_counts produce_item(const Params& hp, unsign
 // body, whose registers (tile_walker's) fit the two-consumer producer's budget. The range
 // walker's body is inlined instead: at the three-consumer producer's 56 registers the call's
 // own cost spilled.
-template <class T, int kD, int kC, class Params>
-__device__ __noinline__ producer_counts produce_item_call(const Params& hp, unsigned char* raw,
-                                                          barriers<tiles<kD, kC>::kStages, kC>& bar,
-                                                          int work, producer_counts n) {
-  return produce_item<T, kD, kC>(hp, raw, bar, work, n);
+template <class T, int kD, int kC, int kK, class Params>
+__device__ __noinline__ producer_counts
+produce_item_call(const Params& hp, unsigned char* raw,
+                  barriers<tiles<kD, kC, kK>::kStages, kC>& bar, int work, producer_counts n) {
+  return produce_item<T, kD, kC, kK>(hp, raw, bar, work, n);
 }
 
 // The producer warp's loop over the block's work items; the stage ring and its phases run on
 // across items, and after the last one a stage closes the block's items. Params: p (the
 // problem), maps (tensor_maps) and work_counter (scheduler.cuh's next_work).
-template <class T, int kD, int kC, class Params>
+template <class T, int kD, int kC, int kK, class Params>
 __device__ void produce(const Params& hp, unsigned char* raw,
-                        barriers<tiles<kD, kC>::kStages, kC>& bar) {
-  const int items = static_cast<int>(work_items<tiles<kD, kC>::kTileQ>(hp.p));  // < 2^31
+                        barriers<tiles<kD, kC, kK>::kStages, kC>& bar) {
+  const int items = static_cast<int>(work_items<tiles<kD, kC, kK>::kTileQ>(hp.p));  // < 2^31
   producer_counts n;
   for (int work = static_cast<int>(blockIdx.x); work < items;
        work = next_work(work, hp.work_counter))
     if constexpr (block_shape<kC>::kBlockMask) {
-      n = produce_item_call<T, kD, kC>(hp, raw, bar, work, n);
+      n = produce_item_call<T, kD, kC, kK>(hp, raw, bar, work, n);
     } else {
-      n = produce_item<T, kD, kC>(hp, raw, bar, work, n);
+      n = produce_item<T, kD, kC, kK>(hp, raw, bar, work, n);
     }
   close_stage(bar, n.it, kNoMoreWork);
 }

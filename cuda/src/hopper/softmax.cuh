@@ -92,9 +92,14 @@ struct fragment_softmax {
   }
 };
 
-// acc (accumulator fragment, kN / 4 n8 blocks) *= exp_old of each row.
+// acc (accumulator fragment, kN / 4 n8 blocks) *= exp_old of each row, left out where no row of
+// the warp moved its max (every factor 1: x * 1 is x, so the bits are those of the multiply).
+// Once a row's max has settled this is most tiles: with scores that are alike across the keys,
+// a warp's 16 rows see a new max in about 16 / j of tile j, so the multiplies of O (kN per
+// thread, against kN / 2 ... kN exponentials at D = 256 ... 64) run on a few tiles out of many.
 template <int kN>
 __device__ __forceinline__ void rescale_rows(float (&acc)[kN], const float (&exp_old)[2]) {
+  if (!__any_sync(kFullWarp, exp_old[0] != 1.f || exp_old[1] != 1.f)) return;
 #pragma unroll
   for (int i = 0; i < kN; ++i)
     acc[i] *= exp_old[(i % 4) / 2];

@@ -52,16 +52,25 @@ struct block_shape {
 
 // The key side of a block: K and V tiles and their stages, the same for any number of
 // consumers.
-template <int kD>
+// Keys per tile for head dim kD: 128 at D = 64 and 128; at D = 256, where O alone takes 128
+// registers per thread, 80 (S: 40 registers; as FlashAttention-3 takes; the most keys that two
+// stages leave room for beside Q), or 64 under a block mask: a tile of 80 keys straddles the
+// usual 128-key mask blocks, which turned most tiles partial and cost 2.6-4 x (cuda/NOTES.md,
+// h12), where 64-key tiles stay inside one block.
+constexpr int tile_keys(int d, bool block_mask) {
+  return d == 256 ? (block_mask ? 64 : 80) : 128;
+}
+
+template <int kD, int kK>
 struct key_tiles {
   static_assert(kD % kBoxCols == 0, "whole 64-column boxes");
+  static_assert(kK % 16 == 0 && kK <= 256, "whole k16 steps of P V, one TMA box of rows");
   static constexpr int kBoxes = kD / kBoxCols;
   // The consumers overlap one tile's P V with the next tile's softmax at D = 128 (consumer.cuh);
   // holding two stages at once (tile j's K, tile j - 1's V), they need a third for the producer
   // to load ahead: 3 stages at D = 128 (225 KiB with Q). D = 64 runs in sequence, 3 stages.
-  // D = 256 takes 64 keys per tile (S: 32 registers beside O's 128) and 2 stages (192 KiB with
-  // Q), in sequence.
-  static constexpr int kTileK = kD == 256 ? 64 : 128;  // keys per tile
+  // D = 256 runs in sequence with 2 stages (225 KiB with Q at 80 keys).
+  static constexpr int kTileK = kK;  // keys per tile
   static constexpr bool kOverlap = kD == 128;
   static constexpr int kStages = kD == 256 ? 2 : 3;
   static constexpr int kKVBoxBytes = kTileK * 128;       // (kTileK, 64)
@@ -69,14 +78,16 @@ struct key_tiles {
 };
 
 // The whole block: Q of kC consumers beside the key side.
-template <int kD, int kC>
-struct tiles : key_tiles<kD> {
-  using keys = key_tiles<kD>;
+template <int kD, int kC, int kK>
+struct tiles : key_tiles<kD, kK> {
+  using keys = key_tiles<kD, kK>;
   static constexpr int kTileQ = block_shape<kC>::kTileQ;
   static constexpr int kQBoxBytes = kTileQ * 128;  // (kTileQ, 64) 16-bit elements
   static constexpr int kQBytes = keys::kBoxes * kQBoxBytes;
   // Dynamic shared memory, with room to align the base to an atom.
   static constexpr int kSmemBytes = kQBytes + 2 * keys::kStages * keys::kKVBytes + kAtomBytes;
+  // sm_90's 227 KiB per block, less a little for the barriers' static shared memory.
+  static_assert(kSmemBytes <= 227 * 1024 - 512, "the tiles fit one block's shared memory");
 };
 
 // A (rows, kD) tile at row `row` of head h, batch b of a (D, L, H, B) tensor map: its kD / 64
@@ -127,9 +138,9 @@ __device__ __forceinline__ Info read_stage_slot(const Info& slot) {
 }
 
 // The block's shared memory: tiles in the dynamic part (atom-aligned), barriers beside.
-template <int kD, int kC>
+template <int kD, int kC, int kK>
 struct shared_tiles {
-  using t = tiles<kD, kC>;
+  using t = tiles<kD, kC, kK>;
   unsigned char* q;  // (kTileQ, kD) as kBoxes boxes
   unsigned char* k;  // (kStages, kTileK, kD)
   unsigned char* v;  // (kStages, kTileK, kD)

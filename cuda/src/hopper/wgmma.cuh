@@ -54,12 +54,19 @@ __device__ __forceinline__ void fence_operands(float (&d)[kN]) {
   ","                                                                \
   "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
   "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+#define FLASHREF_WGMMA_D40_REGS \
+  FLASHREF_WGMMA_D32_REGS       \
+  ","                           \
+  "%32,%33,%34,%35,%36,%37,%38,%39"
 #define FLASHREF_WGMMA_D32_OPS                                                                    \
   "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
       "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),    \
       "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]),  \
       "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]),  \
       "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+#define FLASHREF_WGMMA_D40_OPS                                                             \
+  FLASHREF_WGMMA_D32_OPS, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), \
+      "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
 #define FLASHREF_WGMMA_D64_OPS                                                                   \
   FLASHREF_WGMMA_D32_OPS, "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]),       \
       "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), \
@@ -87,6 +94,15 @@ __device__ __forceinline__ void fence_operands(float (&d)[kN]) {
       " "                                                                 \
       "{" FLASHREF_WGMMA_D32_REGS "}, %32, %33, p, 1, 1, " TRANS ";\n}\n" \
       : FLASHREF_WGMMA_D32_OPS                                            \
+      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+// ss, N = 80: the forward's key tiles at D = 256 (tiles.cuh), K-major A and B.
+#define FLASHREF_WGMMA_SS_N80(TY)                                    \
+  asm volatile(                                                      \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"                   \
+      "wgmma.mma_async.sync.aligned.m64n80k16.f32." TY "." TY        \
+      " "                                                            \
+      "{" FLASHREF_WGMMA_D40_REGS "}, %40, %41, p, 1, 1, 0, 0;\n}\n" \
+      : FLASHREF_WGMMA_D40_OPS                                       \
       : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 // rs: D += A B, A (four registers) from registers. A_REGS, DESC and PRED name the operands
 // that follow the accumulator's.
@@ -118,6 +134,17 @@ __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], std::uint64_t desc_
     FLASHREF_WGMMA_SS_N64("f16", "0, 0");
   } else {
     FLASHREF_WGMMA_SS_N64("bf16", "0, 0");
+  }
+}
+
+// D (64 x 80) = A B (scale_d == 0) or D + A B (scale_d == 1).
+template <class T>
+__device__ __forceinline__ void wgmma_ss_n80(float (&d)[40], std::uint64_t desc_a,
+                                             std::uint64_t desc_b, int scale_d) {
+  if constexpr (std::is_same_v<T, __half>) {
+    FLASHREF_WGMMA_SS_N80("f16");
+  } else {
+    FLASHREF_WGMMA_SS_N80("bf16");
   }
 }
 
@@ -162,9 +189,12 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const std::uint32_
 #undef FLASHREF_WGMMA_RS
 #undef FLASHREF_WGMMA_SS_N128
 #undef FLASHREF_WGMMA_SS_N64
+#undef FLASHREF_WGMMA_SS_N80
 #undef FLASHREF_WGMMA_D64_OPS
+#undef FLASHREF_WGMMA_D40_OPS
 #undef FLASHREF_WGMMA_D32_OPS
 #undef FLASHREF_WGMMA_D64_REGS
+#undef FLASHREF_WGMMA_D40_REGS
 #undef FLASHREF_WGMMA_D32_REGS
 
 // An accumulator (64, kN / 2 columns: this thread's kN floats) as wgmma A fragments, one per 16
