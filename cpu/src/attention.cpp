@@ -563,13 +563,25 @@ double peak_fma_gflops(isa i, int threads, double seconds) {
     }
     iters *= 4;
   }
-  const std::int64_t n = std::max<std::int64_t>(1, std::int64_t(seconds / per_iter));
-  double flops = 0;
-  const auto t0 = clock::now();
+  // The best of windows of about 50 ms: a window in which something else held one of the cores
+  // (another process, a virtual machine's neighbour) measures less, never more, so the best one
+  // is the rate the processor gives when undisturbed — what a kernel's share of peak should be
+  // taken against. (One window of the whole duration measured 188 to 328 GFLOP/s from run to
+  // run on a shared 2-core virtual machine whose kernels' own rates moved by 5 %.)
+  constexpr double kWindow = 0.05;
+  const int windows = std::max(1, int(seconds / kWindow + 0.5));
+  const std::int64_t n =
+      std::max<std::int64_t>(1, std::int64_t(seconds / double(windows) / per_iter));
+  double best = 0;
+  for (int w = 0; w < windows; ++w) {
+    double flops = 0;
+    const auto t0 = clock::now();
 #pragma omp parallel num_threads(threads) reduction(+ : flops)
-  flops += kt.fma_loop(n);
-  const double s = std::chrono::duration<double>(clock::now() - t0).count();
-  return flops / s * 1e-9;
+    flops += kt.fma_loop(n);
+    const double s = std::chrono::duration<double>(clock::now() - t0).count();
+    best = std::max(best, flops / s * 1e-9);
+  }
+  return best;
 }
 
 }  // namespace flashref::cpu

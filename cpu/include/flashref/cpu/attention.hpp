@@ -100,7 +100,9 @@ plan make_plan(const half_problem& hp, const options& opt = {});
 void attention(const half_problem& hp, const options& opt = {});
 
 // The processor's fp32 multiply-add rate with instruction set `i` on `threads` threads: a
-// register-only loop of independent FMAs, about `seconds` long. GFLOP/s (an FMA is 2 FLOPs).
+// register-only loop of independent FMAs, about `seconds` long, timed in windows of about 50 ms
+// of which the best counts (a disturbed window measures less, never more). GFLOP/s (an FMA is 2
+// FLOPs).
 double peak_fma_gflops(isa i, int threads, double seconds = 0.2);
 
 }  // namespace flashref::cpu
