@@ -50,8 +50,6 @@ struct block_shape {
                 "the consumers take no more registers than the producer gives");
 };
 
-// The key side of a block: K and V tiles and their stages, the same for any number of
-// consumers.
 // Keys per tile for head dim kD: 128 at D = 64 and 128; at D = 256, where O alone takes 128
 // registers per thread, 80 (S: 40 registers; as FlashAttention-3 takes; the most keys that two
 // stages leave room for beside Q), or 64 under a block mask: a tile of 80 keys straddles the
@@ -61,6 +59,8 @@ constexpr int tile_keys(int d, bool block_mask) {
   return d == 256 ? (block_mask ? 64 : 80) : 128;
 }
 
+// The key side of a block: K and V tiles of kK keys and their stages, the same for any number
+// of consumers.
 template <int kD, int kK>
 struct key_tiles {
   static_assert(kD % kBoxCols == 0, "whole 64-column boxes");
