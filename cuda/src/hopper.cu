@@ -144,28 +144,29 @@ std::int64_t hopper_flag_count(const kernel_params& p, int sm_count) {
 
 cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
                           std::uint32_t* nonfinite_flags, int sm_count, cudaStream_t stream) {
-  // The instantiation for (kD, kC, kK), in bf16 or fp16.
-  const auto typed = [&](auto d, auto c, auto k) {
-    constexpr int kD = decltype(d)::value, kC = decltype(c)::value, kK = decltype(k)::value;
-    return input == elem::f16 ? launch<__half, kD, kC, kK>(p, input, work_counter, nonfinite_flags,
-                                                           sm_count, stream)
-                              : launch<__nv_bfloat16, kD, kC, kK>(
-                                    p, input, work_counter, nonfinite_flags, sm_count, stream);
+  // The instantiation for (kD, kC), its keys per tile (tiles.cuh's tile_keys, which depends
+  // on whether a block mask is there) and its element type.
+  const bool block_mask = p.mask.block_mask != nullptr;
+  const auto typed = [&](auto d, auto c) {
+    constexpr int kD = decltype(d)::value, kC = decltype(c)::value;
+    const auto keyed = [&](auto k) {
+      constexpr int kK = decltype(k)::value;
+      return input == elem::f16 ? launch<__half, kD, kC, kK>(p, input, work_counter,
+                                                             nonfinite_flags, sm_count, stream)
+                                : launch<__nv_bfloat16, kD, kC, kK>(
+                                      p, input, work_counter, nonfinite_flags, sm_count, stream);
+    };
+    return block_mask ? keyed(std::integral_constant<int, sm90::tile_keys(kD, true)>{})
+                      : keyed(std::integral_constant<int, sm90::tile_keys(kD, false)>{});
   };
   using two = std::integral_constant<int, 2>;
-  using keys128 = std::integral_constant<int, 128>;
   if (p.head_dim == 64) {
     using d64 = std::integral_constant<int, 64>;
-    return hopper_consumers(p) == 3 ? typed(d64{}, std::integral_constant<int, 3>{}, keys128{})
-                                    : typed(d64{}, two{}, keys128{});
+    return hopper_consumers(p) == 3 ? typed(d64{}, std::integral_constant<int, 3>{})
+                                    : typed(d64{}, two{});
   }
-  if (p.head_dim == 256) {
-    using d256 = std::integral_constant<int, 256>;
-    return p.mask.block_mask != nullptr
-               ? typed(d256{}, two{}, std::integral_constant<int, sm90::tile_keys(256, true)>{})
-               : typed(d256{}, two{}, std::integral_constant<int, sm90::tile_keys(256, false)>{});
-  }
-  return typed(std::integral_constant<int, 128>{}, two{}, keys128{});
+  if (p.head_dim == 256) return typed(std::integral_constant<int, 256>{}, two{});
+  return typed(std::integral_constant<int, 128>{}, two{});
 }
 
 }  // namespace flashref::cuda::detail

@@ -75,35 +75,18 @@ __device__ __forceinline__ void fence_operands(float (&d)[kN]) {
       "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
 // One instruction, as a statement, for the element type TY ("f16" or "bf16").
-// ss, N = 128: D = A B (scale_d == 0) or D + A B (scale_d == 1), A and B in shared memory.
-#define FLASHREF_WGMMA_SS_N128(TY)                                   \
-  asm volatile(                                                      \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                   \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TY "." TY       \
-      " "                                                            \
-      "{" FLASHREF_WGMMA_D64_REGS "}, %64, %65, p, 1, 1, 0, 0;\n}\n" \
-      : FLASHREF_WGMMA_D64_OPS                                       \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-// ss, N = 64: the same with a 64-column B (the backward's products over 64 rows or keys);
+// ss: D (64 x N) = A B (scale_d == 0) or D + A B (scale_d == 1), A and B in shared memory;
 // TRANS "0, 0" for K-major A and B, "1, 1" for both MN-major (the backward's dQ = dS K, dS
-// stored key-major and K's rows holding the head dim).
-#define FLASHREF_WGMMA_SS_N64(TY, TRANS)                                  \
-  asm volatile(                                                           \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"                        \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TY "." TY             \
-      " "                                                                 \
-      "{" FLASHREF_WGMMA_D32_REGS "}, %32, %33, p, 1, 1, " TRANS ";\n}\n" \
-      : FLASHREF_WGMMA_D32_OPS                                            \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
-// ss, N = 80: the forward's key tiles at D = 256 (tiles.cuh), K-major A and B.
-#define FLASHREF_WGMMA_SS_N80(TY)                                    \
-  asm volatile(                                                      \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %42, 0;\n"                   \
-      "wgmma.mma_async.sync.aligned.m64n80k16.f32." TY "." TY        \
-      " "                                                            \
-      "{" FLASHREF_WGMMA_D40_REGS "}, %40, %41, p, 1, 1, 0, 0;\n}\n" \
-      : FLASHREF_WGMMA_D40_OPS                                       \
-      : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+// stored key-major and K's rows holding the head dim). DESCS and PRED name the operands that
+// follow the accumulator's.
+#define FLASHREF_WGMMA_SS(N, TY, TRANS, D_REGS, D_OPS, DESCS, PRED)        \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED                    \
+               ", 0;\n"                                                    \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY \
+               " "                                                         \
+               "{" D_REGS "}, " DESCS ", p, 1, 1, " TRANS ";\n}\n"         \
+               : D_OPS                                                     \
+               : "l"(desc_a), "l"(desc_b), "r"(scale_d))
 // rs: D += A B, A (four registers) from registers. A_REGS, DESC and PRED name the operands
 // that follow the accumulator's.
 #define FLASHREF_WGMMA_RS(N, TY, D_REGS, D_OPS, A_REGS, DESC, PRED)        \
@@ -120,9 +103,11 @@ template <class T>
 __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], std::uint64_t desc_a,
                                               std::uint64_t desc_b, int scale_d) {
   if constexpr (std::is_same_v<T, __half>) {
-    FLASHREF_WGMMA_SS_N128("f16");
+    FLASHREF_WGMMA_SS(128, "f16", "0, 0", FLASHREF_WGMMA_D64_REGS, FLASHREF_WGMMA_D64_OPS,
+                      "%64, %65", "%66");
   } else {
-    FLASHREF_WGMMA_SS_N128("bf16");
+    FLASHREF_WGMMA_SS(128, "bf16", "0, 0", FLASHREF_WGMMA_D64_REGS, FLASHREF_WGMMA_D64_OPS,
+                      "%64, %65", "%66");
   }
 }
 
@@ -131,9 +116,11 @@ template <class T>
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], std::uint64_t desc_a,
                                              std::uint64_t desc_b, int scale_d) {
   if constexpr (std::is_same_v<T, __half>) {
-    FLASHREF_WGMMA_SS_N64("f16", "0, 0");
+    FLASHREF_WGMMA_SS(64, "f16", "0, 0", FLASHREF_WGMMA_D32_REGS, FLASHREF_WGMMA_D32_OPS,
+                      "%32, %33", "%34");
   } else {
-    FLASHREF_WGMMA_SS_N64("bf16", "0, 0");
+    FLASHREF_WGMMA_SS(64, "bf16", "0, 0", FLASHREF_WGMMA_D32_REGS, FLASHREF_WGMMA_D32_OPS,
+                      "%32, %33", "%34");
   }
 }
 
@@ -142,9 +129,11 @@ template <class T>
 __device__ __forceinline__ void wgmma_ss_n80(float (&d)[40], std::uint64_t desc_a,
                                              std::uint64_t desc_b, int scale_d) {
   if constexpr (std::is_same_v<T, __half>) {
-    FLASHREF_WGMMA_SS_N80("f16");
+    FLASHREF_WGMMA_SS(80, "f16", "0, 0", FLASHREF_WGMMA_D40_REGS, FLASHREF_WGMMA_D40_OPS,
+                      "%40, %41", "%42");
   } else {
-    FLASHREF_WGMMA_SS_N80("bf16");
+    FLASHREF_WGMMA_SS(80, "bf16", "0, 0", FLASHREF_WGMMA_D40_REGS, FLASHREF_WGMMA_D40_OPS,
+                      "%40, %41", "%42");
   }
 }
 
@@ -154,9 +143,11 @@ template <class T>
 __device__ __forceinline__ void wgmma_ss_n64_mn(float (&d)[32], std::uint64_t desc_a,
                                                 std::uint64_t desc_b, int scale_d) {
   if constexpr (std::is_same_v<T, __half>) {
-    FLASHREF_WGMMA_SS_N64("f16", "1, 1");
+    FLASHREF_WGMMA_SS(64, "f16", "1, 1", FLASHREF_WGMMA_D32_REGS, FLASHREF_WGMMA_D32_OPS,
+                      "%32, %33", "%34");
   } else {
-    FLASHREF_WGMMA_SS_N64("bf16", "1, 1");
+    FLASHREF_WGMMA_SS(64, "bf16", "1, 1", FLASHREF_WGMMA_D32_REGS, FLASHREF_WGMMA_D32_OPS,
+                      "%32, %33", "%34");
   }
 }
 
@@ -187,9 +178,7 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const std::uint32_
 }
 
 #undef FLASHREF_WGMMA_RS
-#undef FLASHREF_WGMMA_SS_N128
-#undef FLASHREF_WGMMA_SS_N64
-#undef FLASHREF_WGMMA_SS_N80
+#undef FLASHREF_WGMMA_SS
 #undef FLASHREF_WGMMA_D64_OPS
 #undef FLASHREF_WGMMA_D40_OPS
 #undef FLASHREF_WGMMA_D32_OPS
