@@ -49,13 +49,13 @@ struct hopper_params {
 };
 
 template <class T, int kD, int kC, int kK>
-__global__ void __launch_bounds__(sm90::block_shape<kC>::kThreads, 1)
+__global__ void __launch_bounds__(sm90::block_shape<kC, kK>::kThreads, 1)
     hopper_kernel(const __grid_constant__ hopper_params hp) {
 #if FLASHREF_SM90A
   using namespace sm90;
-  using shape = block_shape<kC>;
+  using shape = block_shape<kC, kK>;
   extern __shared__ __align__(1024) unsigned char s_raw[];
-  __shared__ barriers<tiles<kD, kC, kK>::kStages, kC> bar;
+  __shared__ block_barriers<kD, kC, kK> bar;
   const shared_tiles<kD, kC, kK> smem(s_raw);
   const int warpgroup = static_cast<int>(threadIdx.x) / 128;
   if (threadIdx.x == 0) {
@@ -116,7 +116,7 @@ cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_count
   if (items > std::int64_t(INT32_MAX)) return cudaErrorInvalidValue;
   const std::int64_t blocks = persistent_blocks(items, sm_count);
   hopper_kernel<T, kD, kC, kK>
-      <<<static_cast<unsigned>(blocks), sm90::block_shape<kC>::kThreads, kSmem, stream>>>(hp);
+      <<<static_cast<unsigned>(blocks), sm90::block_shape<kC, kK>::kThreads, kSmem, stream>>>(hp);
   return cudaGetLastError();
 }
 
@@ -145,8 +145,11 @@ std::int64_t hopper_flag_count(const kernel_params& p, int sm_count) {
 cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
                           std::uint32_t* nonfinite_flags, int sm_count, cudaStream_t stream) {
   // The instantiation for (kD, kC), its keys per tile (tiles.cuh's tile_keys, which depends
-  // on whether a block mask is there) and its element type.
+  // on whether a block mask is there and on whether the rows are narrow: banded by causal or
+  // a window, or short) and its element type.
   const bool block_mask = p.mask.block_mask != nullptr;
+  const bool narrow = p.mask.causal != causal_mode::none || p.mask.window_left >= 0 ||
+                      p.mask.window_right >= 0 || p.len_k < sm90::kWideMinKeys;
   const auto typed = [&](auto d, auto c) {
     constexpr int kD = decltype(d)::value, kC = decltype(c)::value;
     const auto keyed = [&](auto k) {
@@ -156,8 +159,9 @@ cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* wor
                                 : launch<__nv_bfloat16, kD, kC, kK>(
                                       p, input, work_counter, nonfinite_flags, sm_count, stream);
     };
-    return block_mask ? keyed(std::integral_constant<int, sm90::tile_keys(kD, true)>{})
-                      : keyed(std::integral_constant<int, sm90::tile_keys(kD, false)>{});
+    if (block_mask) return keyed(std::integral_constant<int, sm90::tile_keys(kD, true, false)>{});
+    if (narrow) return keyed(std::integral_constant<int, sm90::tile_keys(kD, false, true)>{});
+    return keyed(std::integral_constant<int, sm90::tile_keys(kD, false, false)>{});
   };
   using two = std::integral_constant<int, 2>;
   if (p.head_dim == 64) {

@@ -29,18 +29,28 @@
 
 namespace flashref::cuda::detail::sm90 {
 
+// S (64, kTileK) = Q K^T over the head dim: one wgmma per 16 columns of it. With tiles of more
+// than 128 keys the consumer's registers are short, and the kD / 16 Q descriptors, the same in
+// every call, would be hoisted out of the tile loop into two registers each: there they are
+// formed in each call from one copy of the first that the compiler cannot hoist (opaque), one
+// add each.
 template <class T, int kD, int kC, int kK, int kS>
 __device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD, kC, kK>& smem,
                                            int consumer, int stage) {
+  std::uint64_t q0 = 0;
+  if constexpr (kS > 64) q0 = opaque(smem.q_desc(consumer, 0));
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks) {
+    const std::uint64_t desc_q = kS > 64 ? q0 + smem.q_step(ks) : smem.q_desc(consumer, ks);
     if constexpr (kS == 32) {
-      wgmma_ss_n64<T>(s, smem.q_desc(consumer, ks), smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
+      wgmma_ss_n64<T>(s, desc_q, smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
     } else if constexpr (kS == 40) {
-      wgmma_ss_n80<T>(s, smem.q_desc(consumer, ks), smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
+      wgmma_ss_n80<T>(s, desc_q, smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
+    } else if constexpr (kS == 88) {
+      wgmma_ss_n176<T>(s, desc_q, smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
     } else {
-      static_assert(kS == 64, "key tiles of 64, 80 or 128");
-      wgmma_ss_n128<T>(s, smem.q_desc(consumer, ks), smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
+      static_assert(kS == 64, "key tiles of 64, 80, 128 or 176");
+      wgmma_ss_n128<T>(s, desc_q, smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
     }
   }
 }
@@ -64,17 +74,33 @@ __device__ __forceinline__ void pv_product(float (&acc)[kD / 2], const std::uint
 
 // The stages and the Q tile a consumer warp is done with, and its place in the ring: the
 // stage counter runs on across work items, as the producer's does.
-template <int kStages, int kC>
+template <int kStages, int kC, bool kSplit>
 struct consumer_ring {
-  barriers<kStages, kC>& bar;
+  barriers<kStages, kC, kSplit>& bar;
   int it = 0;       // stages consumed so far
   int q_loads = 0;  // Q tiles waited for so far
 
   __device__ int stage(int i) const { return i % kStages; }
   __device__ unsigned parity(int i) const { return (i / kStages) & 1; }
+  // This warp is done with K of stage s (its S product has completed), with V (its P V has),
+  // or with both. Without kSplit a stage is released whole, when V is.
+  __device__ void release_k(int s) {
+    if constexpr (kSplit) arrive(bar.k_empty[s]);
+  }
+  __device__ void release_v(int s) {
+    if constexpr (kSplit) {
+      arrive(bar.v_empty[s]);
+    } else {
+      arrive(bar.k_empty[s]);
+    }
+  }
   __device__ void release(int s) {
+    release_k(s);
+    release_v(s);
+  }
+  __device__ void arrive(std::uint64_t& empty) {
     __syncwarp();
-    if (threadIdx.x % 32 == 0) mbar_arrive(&bar.empty[s]);  // this warp is done with stage s
+    if (threadIdx.x % 32 == 0) mbar_arrive(&empty);
   }
   __device__ void wait_q() { mbar_wait(&bar.q_full, q_loads++ & 1); }
   // This warp's word of the block's non-finite flags (store_rows).
@@ -96,10 +122,10 @@ struct consumer_ring {
 // cores; only the rescale of O waits for it (wait<0>). Stage j - 1 is released after that.
 // On entry stage ring.it holds the item's first tile (`info`) and Q has arrived.
 template <class T, int kD, int kC, int kK>
-__device__ void consume_overlapped(const kernel_params& p, const tile_work& w, int consumer,
-                                   const shared_tiles<kD, kC, kK>& smem,
-                                   consumer_ring<tiles<kD, kC, kK>::kStages, kC>& ring,
-                                   stage_info info) {
+__device__ void consume_overlapped(
+    const kernel_params& p, const tile_work& w, int consumer, const shared_tiles<kD, kC, kK>& smem,
+    consumer_ring<tiles<kD, kC, kK>::kStages, kC, tiles<kD, kC, kK>::kSplitRelease>& ring,
+    stage_info info) {
   constexpr int kS = tiles<kD, kC, kK>::kTileK / 2;  // accumulator floats of S per thread
   constexpr int kO = kD / 2;                         // accumulator floats of O per thread
   const fragment_coords at(consumer);
@@ -128,6 +154,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rS);
+    ring.release_k(s);
     float exp_old[2];
     probabilities(rS, info, exp_old);
     to_a_fragments<T>(rS, rP);
@@ -149,6 +176,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     wgmma_commit();
     wgmma_wait<1>();
     fence_operands(rS);
+    ring.release_k(s);
 
     float exp_old[2];
     probabilities(rS, info, exp_old);  // under P_{j-1} V_{j-1}
@@ -156,7 +184,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     wgmma_wait<0>();
     fence_operands(rO);
     fence_fragments(rP);
-    ring.release(prev);
+    ring.release_v(prev);
     rescale_rows(rO, exp_old);
     to_a_fragments<T>(rS, rP);
   }
@@ -169,19 +197,26 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
   wgmma_commit();
   wgmma_wait<0>();
   fence_operands(rO);
-  ring.release(last);
+  ring.release_v(last);
   ring.release(ring.stage(ring.it++));
-  store_rows<T>(p, w, at, rO, softmax, ring.nonfinite_flag());
+  if constexpr (tiles<kD, kC, kK>::kTileK > 128) {
+    // The item's rows formed afresh from its number (the closing stage carries it), so that
+    // the 240 registers of a wide tile's loop do not also hold the rows' end across it.
+    const tile_work rows = work_tile<tiles<kD, kC, kK>::kTileQ>(p, opaque(info.work));
+    store_rows<T>(p, rows, at, rO, softmax, ring.nonfinite_flag());
+  } else {
+    store_rows<T>(p, w, at, rO, softmax, ring.nonfinite_flag());
+  }
 }
 
 // One work item, the products in sequence: S_j, its softmax, then P_j V_j, each waited for
 // before the next step (the two consumer warpgroups overlap each other by scheduling). On entry
 // stage ring.it holds the item's first tile (`info`) and Q has arrived.
 template <class T, int kD, int kC, int kK>
-__device__ void consume_serial(const kernel_params& p, const tile_work& w, int consumer,
-                               const shared_tiles<kD, kC, kK>& smem,
-                               consumer_ring<tiles<kD, kC, kK>::kStages, kC>& ring,
-                               stage_info info) {
+__device__ void consume_serial(
+    const kernel_params& p, const tile_work& w, int consumer, const shared_tiles<kD, kC, kK>& smem,
+    consumer_ring<tiles<kD, kC, kK>::kStages, kC, tiles<kD, kC, kK>::kSplitRelease>& ring,
+    stage_info info) {
   constexpr int kS = tiles<kD, kC, kK>::kTileK / 2;  // accumulator floats of S per thread
   constexpr int kO = kD / 2;                         // accumulator floats of O per thread
   const fragment_coords at(consumer);
@@ -199,6 +234,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rS);
+    ring.release_k(s);
 
     mask.apply(rS, at, info.tile, info.full != 0);
     float exp_old[2];
@@ -216,7 +252,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rO);
-    ring.release(s);
+    ring.release_v(s);
     ++ring.it;
   }
   ring.release_q();
@@ -234,10 +270,9 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
 // is done: flags[block * 4 kC + warp] = 1 when a value it stored was NaN or inf, else 0.
 template <class T, int kD, int kC, int kK>
 __device__ void consume(const kernel_params& p, int consumer, const shared_tiles<kD, kC, kK>& smem,
-                        barriers<tiles<kD, kC, kK>::kStages, kC>& bar,
-                        std::uint32_t* nonfinite_flags) {
+                        block_barriers<kD, kC, kK>& bar, std::uint32_t* nonfinite_flags) {
   using t = tiles<kD, kC, kK>;
-  consumer_ring<t::kStages, kC> ring{bar};
+  consumer_ring<t::kStages, kC, t::kSplitRelease> ring{bar};
   for (;;) {
     const stage_info first = ring.next();
     if (first.work == kNoMoreWork) {

@@ -44,22 +44,32 @@ struct tile_mask {
         s[i] *= scale.pre;
       return;
     }
-    // One bit per key this thread holds of each row (bit 2 n8 + c: key 8 n8 + col0 + c),
-    // built in a rolled loop so that the hot unrolled loop below only tests bits.
-    constexpr int kBlocks = kN / 4;
-    static_assert(2 * kBlocks <= 32, "one 32-bit word per row");
+    mask_blocks<0>(s, at, tile);
+  }
+
+ private:
+  // n8 blocks [kFirst, kFirst + 16) of a partial tile (to its end, if nearer): one bit per key
+  // this thread holds of each row (bit 2 nb + c: key 8 (kFirst + nb) + col0 + c), built in a
+  // rolled loop so that the hot unrolled loop below only tests bits; a tile of more than 128
+  // keys takes a second word.
+  template <int kFirst, int kN>
+  __device__ __forceinline__ void mask_blocks(float (&s)[kN], const fragment_coords& at,
+                                              std::int64_t tile) const {
+    constexpr int kBlocks = kN / 4 - kFirst < 16 ? kN / 4 - kFirst : 16;
     std::uint32_t visible[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       visible[r] = detail::key_bits<kBlocks>(mask, w.b, w.h, w.q0 + at.row0 + 8 * r,
-                                             tile * (2 * kN) + at.col0);
+                                             tile * (2 * kN) + 8 * kFirst + at.col0);
     }
 #pragma unroll
-    for (int i = 0; i < kN; ++i) {
+    for (int i = 0; i < 4 * kBlocks; ++i) {
       const int nb = i / 4, e = i % 4;
       const bool on = fragment_bit(visible, nb, e);
-      s[i] = on ? s[i] * scale.pre : -INFINITY;
+      float& x = s[4 * kFirst + i];
+      x = on ? x * scale.pre : -INFINITY;
     }
+    if constexpr (kFirst + 16 < kN / 4) mask_blocks<kFirst + 16>(s, at, tile);
   }
 };
 

@@ -56,20 +56,27 @@ struct producer_counts {
   int q_loads = 0;
 };
 
-// The next free stage, once the consumers have released it.
-template <int kStages, int kC>
-__device__ __forceinline__ int next_stage(barriers<kStages, kC>& bar, int it) {
+// The next stage, once the consumers have released its K (or, without kSplit, the whole
+// stage); wait_v waits for its V where the consumers release V apart, after the P V that
+// follows S = Q K^T.
+template <int kStages, int kC, bool kSplit>
+__device__ __forceinline__ int next_stage(barriers<kStages, kC, kSplit>& bar, int it) {
   const int s = it % kStages;
-  mbar_wait(&bar.empty[s], ((it / kStages) & 1) ^ 1);
+  mbar_wait(&bar.k_empty[s], ((it / kStages) & 1) ^ 1);
   return s;
+}
+template <int kStages, int kC, bool kSplit>
+__device__ __forceinline__ void wait_v(barriers<kStages, kC, kSplit>& bar, int it) {
+  if constexpr (kSplit) mbar_wait(&bar.v_empty[it % kStages], ((it / kStages) & 1) ^ 1);
 }
 
 // A stage without a tile: it closes work item `work`, or the block's items (kNoMoreWork).
 // Both of the stage's full barriers complete a phase, as for a tile, so that their phases stay
 // in step with the ring's count when the slot is used again (no consumer waits on v_full here).
-template <int kStages, int kC>
-__device__ __forceinline__ void close_stage(barriers<kStages, kC>& bar, int it, int work) {
+template <int kStages, int kC, bool kSplit>
+__device__ __forceinline__ void close_stage(barriers<kStages, kC, kSplit>& bar, int it, int work) {
   const int s = next_stage(bar, it);
+  wait_v(bar, it);
   if (threadIdx.x % 32 == 0) {
     bar.info[s] = {kNoMoreTiles, 0, work, 0};
     mbar_arrive(&bar.v_full[s]);
@@ -80,9 +87,9 @@ __device__ __forceinline__ void close_stage(barriers<kStages, kC>& bar, int it, 
 // One work item: Q once (after the consumers have read the previous item's Q), then each
 // visible key tile's K and V into the next free stage, then the stage that closes the item.
 template <class T, int kD, int kC, int kK, class Params>
-__device__ __forceinline__ producer_counts
-produce_item(const Params& hp, unsigned char* raw, barriers<tiles<kD, kC, kK>::kStages, kC>& bar,
-             int work, producer_counts n) {
+__device__ __forceinline__ producer_counts produce_item(const Params& hp, unsigned char* raw,
+                                                        block_barriers<kD, kC, kK>& bar, int work,
+                                                        producer_counts n) {
   using t = tiles<kD, kC, kK>;
   const kernel_params& p = hp.p;
   const tensor_maps& maps = hp.maps;
@@ -90,7 +97,7 @@ produce_item(const Params& hp, unsigned char* raw, barriers<tiles<kD, kC, kK>::k
   const bool leader = threadIdx.x % 32 == 0;
   const tile_work w = work_tile<t::kTileQ>(p, work);
   // A block without a block mask (block_shape::kBlockMask) walks a range in fewer registers.
-  using walker_type = std::conditional_t<block_shape<kC>::kBlockMask, tile_walker<t::kTileK>,
+  using walker_type = std::conditional_t<block_shape<kC, kK>::kBlockMask, tile_walker<t::kTileK>,
                                          range_walker<t::kTileK>>;
   walker_type walker(p.mask, w.b, w.h, w.q0, w.q1);
   std::int64_t tile = 0;
@@ -108,16 +115,23 @@ produce_item(const Params& hp, unsigned char* raw, barriers<tiles<kD, kC, kK>::k
     const int s = next_stage(bar, n.it);
     const std::int64_t k0 = tile * t::kTileK;
     const bool v_tail = k0 + t::kTileK > walker.key_end && walker.key_end < p.len_k;
+    // V by TMA (by the leader), unless the tile straddles kv_len (below).
+    const auto load_v = [&] {
+      if (v_tail) return;
+      mbar_arrive_expect_tx(&bar.v_full[s], t::kKVBytes);
+      tma_load_tile<kD, t::kKVBoxBytes>(smem.v_stage(s), &maps.v, int(k0), w.hk, w.b,
+                                        &bar.v_full[s]);
+    };
     if (leader) {
       bar.info[s] = {int(tile), full ? 1 : 0, work, 0};
       mbar_arrive_expect_tx(&bar.k_full[s], t::kKVBytes);
       tma_load_tile<kD, t::kKVBoxBytes>(smem.k_stage(s), &maps.k, int(k0), w.hk, w.b,
                                         &bar.k_full[s]);
-      if (!v_tail) {
-        mbar_arrive_expect_tx(&bar.v_full[s], t::kKVBytes);
-        tma_load_tile<kD, t::kKVBoxBytes>(smem.v_stage(s), &maps.v, int(k0), w.hk, w.b,
-                                          &bar.v_full[s]);
-      }
+      if constexpr (!t::kSplitRelease) load_v();  // the stage was released whole
+    }
+    if constexpr (t::kSplitRelease) {  // V's half of the stage may still be read
+      wait_v(bar, n.it);
+      if (leader) load_v();
     }
     if (v_tail) {
       load_v_rows_zero_tail<T, kD, kK>(smem.v_stage(s), p, w, k0, walker.key_end);
@@ -136,9 +150,9 @@ produce_item(const Params& hp, unsigned char* raw, barriers<tiles<kD, kC, kK>::k
 // walker's body is inlined instead: at the three-consumer producer's 56 registers the call's
 // own cost spilled.
 template <class T, int kD, int kC, int kK, class Params>
-__device__ __noinline__ producer_counts
-produce_item_call(const Params& hp, unsigned char* raw,
-                  barriers<tiles<kD, kC, kK>::kStages, kC>& bar, int work, producer_counts n) {
+__device__ __noinline__ producer_counts produce_item_call(const Params& hp, unsigned char* raw,
+                                                          block_barriers<kD, kC, kK>& bar, int work,
+                                                          producer_counts n) {
   return produce_item<T, kD, kC, kK>(hp, raw, bar, work, n);
 }
 
@@ -146,13 +160,12 @@ produce_item_call(const Params& hp, unsigned char* raw,
 // across items, and after the last one a stage closes the block's items. Params: p (the
 // problem), maps (tensor_maps) and work_counter (scheduler.cuh's next_work).
 template <class T, int kD, int kC, int kK, class Params>
-__device__ void produce(const Params& hp, unsigned char* raw,
-                        barriers<tiles<kD, kC, kK>::kStages, kC>& bar) {
+__device__ void produce(const Params& hp, unsigned char* raw, block_barriers<kD, kC, kK>& bar) {
   const int items = static_cast<int>(work_items<tiles<kD, kC, kK>::kTileQ>(hp.p));  // < 2^31
   producer_counts n;
   for (int work = static_cast<int>(blockIdx.x); work < items;
        work = next_work(work, hp.work_counter))
-    if constexpr (block_shape<kC>::kBlockMask) {
+    if constexpr (block_shape<kC, kK>::kBlockMask) {
       n = produce_item_call<T, kD, kC, kK>(hp, raw, bar, work, n);
     } else {
       n = produce_item<T, kD, kC, kK>(hp, raw, bar, work, n);

@@ -149,6 +149,17 @@ __device__ __forceinline__ block_ids read_block_ids() {
   return ids;
 }
 
+// x, through an empty asm statement the compiler must execute where it stands: a value formed
+// from it cannot be hoisted out of the loop that holds it (and so held in registers across it).
+__device__ __forceinline__ std::uint64_t opaque(std::uint64_t x) {
+  asm volatile("" : "+l"(x));
+  return x;
+}
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
+
 // --- wgmma matrix descriptors ----------------------------------------------------------------
 // A tile in shared memory in the 128-byte swizzle layout that TMA writes with
 // CU_TENSOR_MAP_SWIZZLE_128B: rows of 64 16-bit elements (128 bytes), the 16-byte chunk c of

@@ -3,10 +3,9 @@
 // descriptors that address its tiles.
 //
 // One block: kC consumer warpgroups of 64 query rows each (two, 128 rows; three, 192 rows, at
-// D = 64: block_shape below) against key tiles of 128 keys (64 at D = 256, where O alone takes
-// 128 registers per thread). Q (kTileQ, D) is loaded once; K and V (kTileK, D) stream through
-// kStages stages. Every tile is stored as D / 64 boxes of (rows, 64) in the 128-byte swizzle
-// layout (sm90.cuh), one TMA box each.
+// D = 64: block_shape below) against key tiles of 64 to 176 keys (tile_keys below). Q (kTileQ, D)
+// is loaded once; K and V (kTileK, D) stream through kStages stages. Every tile is stored as D / 64
+// boxes of (rows, 64) in the 128-byte swizzle layout (sm90.cuh), one TMA box each.
 
 #include <cstddef>
 #include <cstdint>
@@ -27,36 +26,49 @@ inline constexpr int kAtomBytes = 1024;  // 8 rows of 128 bytes
 // setmaxnreg.inc waits forever.
 inline constexpr int kLaunchRegs = 168;
 
-// The forward's block of kC consumer warpgroups: its query rows, threads and registers. Two
-// consumers (128 rows) at D = 128 and 256, and at D = 64 under a block mask; three (192 rows)
-// at D = 64 without one, where the softmax's instruction stream, not the tensor cores, sets
-// the pace and a third warp per scheduler hides more of it (cuda/NOTES.md, h8; hopper.cu's
-// hopper_consumers says when). With four warpgroups the block starts at 128 registers per
-// thread: the producer keeps 56, enough for a walk over a range of key tiles (range_walker)
-// but not for tile_walker, and each consumer gets 152.
-template <int kC>
+// The forward's block of kC consumer warpgroups against key tiles of kK keys: its query rows,
+// threads and registers. Two consumers (128 rows) at D = 128 and 256, and at D = 64 under a
+// block mask; three (192 rows) at D = 64 without one, where the softmax's instruction stream,
+// not the tensor cores, sets the pace and a third warp per scheduler hides more of it
+// (cuda/NOTES.md, h8; hopper.cu's hopper_consumers says when). With four warpgroups the block
+// starts at 128 registers per thread: the producer keeps 56, enough for a walk over a range of
+// key tiles (range_walker) but not for tile_walker, and each consumer gets 152. Key tiles of
+// more than 128 keys (D = 128, long rows, no band and no block mask: tile_keys) hold S (kK / 2
+// floats per thread) beside the last tile's P and O: their consumers take 240 (at 216 and 232
+// ptxas spilled 236 and 144 bytes), the producer walking a range in the 24 left.
+template <int kC, int kK = 128>
 struct block_shape {
   static_assert(kC == 2 || kC == 3, "two or three consumer warpgroups");
   static constexpr int kConsumers = kC;
   static constexpr int kTileQ = kRowsPerConsumer * kC;
   static constexpr int kThreads = 128 * (1 + kC);
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168 or 128
-  // Takes a block mask: its producer walks with tile_walker (the three-consumer producer walks
-  // a range instead; the host sends block masks to the two-consumer block).
-  static constexpr bool kBlockMask = kC == 2;
-  static constexpr int kProducerRegs = kC == 2 ? 72 : 56;
-  static constexpr int kConsumerRegs = kC == 2 ? 216 : 152;
+  static constexpr bool kWide = kK > 128;
+  // Takes a block mask: its producer walks with tile_walker (the other producers walk a range
+  // instead; the host sends block masks to the two-consumer block of 128-key tiles or fewer).
+  static constexpr bool kBlockMask = kC == 2 && !kWide;
+  static constexpr int kProducerRegs = kC == 3 ? 56 : kWide ? 24 : 72;
+  static constexpr int kConsumerRegs = kC == 3 ? 152 : kWide ? 240 : 216;
   static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * 128 * kC,
                 "the consumers take no more registers than the producer gives");
 };
 
-// Keys per tile for head dim kD: 128 at D = 64 and 128; at D = 256, where O alone takes 128
-// registers per thread, 80 (S: 40 registers; as FlashAttention-3 takes; the most keys that two
-// stages leave room for beside Q), or 64 under a block mask: a tile of 80 keys straddles the
-// usual 128-key mask blocks, which turned most tiles partial and cost 2.6-4 x (cuda/NOTES.md,
-// h12), where 64-key tiles stay inside one block.
-constexpr int tile_keys(int d, bool block_mask) {
-  return d == 256 ? (block_mask ? 64 : 80) : 128;
+// Keys per tile for head dim d. At D = 128, 176 where the rows are long (kWideMinKeys keys or
+// more) and no mask bands them (as FlashAttention-3 takes: a longer tile spreads each tile's
+// fixed costs, the waits, the row maxima's shuffles and the rescale's vote, over more keys;
+// dense L = 16384 +8 %, L = 4096 +3.5 %); 128 for `narrow` rows: under causal or a window (a
+// 176-key tile straddles the diagonal, so more of its keys are computed only to be masked),
+// and below kWideMinKeys keys (L = 1024 measured 7 % slower: 6 tiles per row, the last one
+// partial, against 8 whole ones), and under a block mask (a 176-key tile straddles the 128-key
+// mask blocks). At D = 256, where O alone takes 128 registers per thread, 80 (S: 40 registers;
+// the most keys that two stages leave room for beside Q), or 64 under a block mask: a tile of 80
+// keys straddles the usual 128-key mask blocks, which turned most tiles partial and cost
+// 2.6-4 x (cuda/NOTES.md, h12), where 64-key tiles stay inside one block. At D = 64, 128.
+inline constexpr std::int64_t kWideMinKeys = 2048;
+constexpr int tile_keys(int d, bool block_mask, bool narrow) {
+  if (d == 256) return block_mask ? 64 : 80;
+  if (d == 128) return block_mask || narrow ? 128 : 176;
+  return 128;
 }
 
 // The key side of a block: K and V tiles of kK keys and their stages, the same for any number
@@ -66,13 +78,18 @@ struct key_tiles {
   static_assert(kD % kBoxCols == 0, "whole 64-column boxes");
   static_assert(kK % 16 == 0 && kK <= 256, "whole k16 steps of P V, one TMA box of rows");
   static constexpr int kBoxes = kD / kBoxCols;
-  // The consumers overlap one tile's P V with the next tile's softmax at D = 128 (consumer.cuh);
-  // holding two stages at once (tile j's K, tile j - 1's V), they need a third for the producer
-  // to load ahead: 3 stages at D = 128 (225 KiB with Q). D = 64 runs in sequence, 3 stages.
-  // D = 256 runs in sequence with 2 stages (225 KiB with Q at 80 keys).
+  // The consumers overlap one tile's P V with the next tile's softmax at D = 128 (consumer.cuh),
+  // holding tile j's K and tile j - 1's V at once; K and V are released apart (barriers), so
+  // that 2 stages still let the producer load a tile ahead. 3 stages at D = 128 with 128 keys
+  // (225 KiB with Q), 2 with 176 (209 KiB). D = 64 runs in sequence, 3 stages; D = 256 in
+  // sequence with 2 (225 KiB with Q at 80 keys).
   static constexpr int kTileK = kK;  // keys per tile
   static constexpr bool kOverlap = kD == 128;
-  static constexpr int kStages = kD == 256 ? 2 : 3;
+  static constexpr int kStages = kD == 256 || kK > 128 ? 2 : 3;
+  // K and V of a stage released apart (barriers) where the overlap runs in 2 stages; elsewhere
+  // a stage is released whole, which the third stage makes room for (and which takes fewer
+  // registers: the split, measured at 128 keys, spilled the D = 64 and 256 consumers).
+  static constexpr bool kSplitRelease = kOverlap && kStages == 2;
   static constexpr int kKVBoxBytes = kTileK * 128;       // (kTileK, 64)
   static constexpr int kKVBytes = kBoxes * kKVBoxBytes;  // one of K or V, one stage
 };
@@ -81,7 +98,7 @@ struct key_tiles {
 template <int kD, int kC, int kK>
 struct tiles : key_tiles<kD, kK> {
   using keys = key_tiles<kD, kK>;
-  static constexpr int kTileQ = block_shape<kC>::kTileQ;
+  static constexpr int kTileQ = block_shape<kC, kK>::kTileQ;
   static constexpr int kQBoxBytes = kTileQ * 128;  // (kTileQ, 64) 16-bit elements
   static constexpr int kQBytes = keys::kBoxes * kQBoxBytes;
   // Dynamic shared memory, with room to align the base to an atom.
@@ -161,6 +178,11 @@ struct shared_tiles {
         smem_addr(q) + (ks / 4) * t::kQBoxBytes + wg * kRowsPerConsumer * 128 + (ks % 4) * 32, 16,
         kAtomBytes);
   }
+  // q_desc(wg, ks) - q_desc(wg, 0): the start field's offset (shared memory lies below
+  // 256 KiB, so the sum never carries out of that field).
+  __device__ static constexpr std::uint64_t q_step(int ks) {
+    return static_cast<std::uint64_t>((ks / 4) * t::kQBoxBytes + (ks % 4) * 32) >> 4;
+  }
   // All t::kTileK keys of stage s, k-step ks over the head dim.
   __device__ std::uint64_t k_desc(int s, int ks) const {
     return sw128_desc(smem_addr(k_stage(s)) + (ks / 4) * t::kKVBoxBytes + (ks % 4) * 32, 16,
@@ -172,13 +194,18 @@ struct shared_tiles {
   }
 };
 
-template <int kStages, int kC>
+template <int kStages, int kC, bool kSplit>
 struct barriers {
+  static constexpr bool kSplitRelease = kSplit;
   std::uint64_t q_full;
   std::uint64_t q_empty;  // one arrival per consumer warp: Q of the current item is read
   std::uint64_t k_full[kStages];
   std::uint64_t v_full[kStages];
-  std::uint64_t empty[kStages];  // one arrival per consumer warp
+  // One arrival per consumer warp: with kSplit, K of the stage is read (after S = Q K^T) on
+  // k_empty and V (after P V) on v_empty, so that the next tile's K loads while this tile's
+  // P V runs; without, the whole stage on k_empty.
+  std::uint64_t k_empty[kStages];
+  std::uint64_t v_empty[kSplit ? kStages : 1];
   stage_info info[kStages];
   // Per consumer warp: 1 once a value it stored in O (or an out_scale) was NaN or inf.
   std::uint32_t nonfinite[4 * kC];
@@ -191,10 +218,15 @@ struct barriers {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], 1);
       mbar_init(&v_full[s], 1);
-      mbar_init(&empty[s], 4 * kC);
+      mbar_init(&k_empty[s], 4 * kC);
+      if (kSplit) mbar_init(&v_empty[s], 4 * kC);
     }
     mbar_init_fence();
   }
 };
+
+// The barriers of the block for (kD, kC, kK).
+template <int kD, int kC, int kK>
+using block_barriers = barriers<tiles<kD, kC, kK>::kStages, kC, tiles<kD, kC, kK>::kSplitRelease>;
 
 }  // namespace flashref::cuda::detail::sm90

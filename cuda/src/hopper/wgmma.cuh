@@ -74,6 +74,17 @@ __device__ __forceinline__ void fence_operands(float (&d)[kN]) {
       "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), \
       "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
 
+#define FLASHREF_WGMMA_D88_REGS                                      \
+  FLASHREF_WGMMA_D64_REGS                                            \
+  ","                                                                \
+  "%64,%65,%66,%67,%68,%69,%70,%71,%72,%73,%74,%75,%76,%77,%78,%79," \
+  "%80,%81,%82,%83,%84,%85,%86,%87"
+#define FLASHREF_WGMMA_D88_OPS                                                                   \
+  FLASHREF_WGMMA_D64_OPS, "+f"(d[64]), "+f"(d[65]), "+f"(d[66]), "+f"(d[67]), "+f"(d[68]),       \
+      "+f"(d[69]), "+f"(d[70]), "+f"(d[71]), "+f"(d[72]), "+f"(d[73]), "+f"(d[74]), "+f"(d[75]), \
+      "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), \
+      "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
+
 // One instruction, as a statement, for the element type TY ("f16" or "bf16").
 // ss: D (64 x N) = A B (scale_d == 0) or D + A B (scale_d == 1), A and B in shared memory;
 // TRANS "0, 0" for K-major A and B, "1, 1" for both MN-major (the backward's dQ = dS K, dS
@@ -108,6 +119,19 @@ __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], std::uint64_t desc
   } else {
     FLASHREF_WGMMA_SS(128, "bf16", "0, 0", FLASHREF_WGMMA_D64_REGS, FLASHREF_WGMMA_D64_OPS,
                       "%64, %65", "%66");
+  }
+}
+
+// D (64 x 176) = A B (scale_d == 0) or D + A B (scale_d == 1).
+template <class T>
+__device__ __forceinline__ void wgmma_ss_n176(float (&d)[88], std::uint64_t desc_a,
+                                              std::uint64_t desc_b, int scale_d) {
+  if constexpr (std::is_same_v<T, __half>) {
+    FLASHREF_WGMMA_SS(176, "f16", "0, 0", FLASHREF_WGMMA_D88_REGS, FLASHREF_WGMMA_D88_OPS,
+                      "%88, %89", "%90");
+  } else {
+    FLASHREF_WGMMA_SS(176, "bf16", "0, 0", FLASHREF_WGMMA_D88_REGS, FLASHREF_WGMMA_D88_OPS,
+                      "%88, %89", "%90");
   }
 }
 
@@ -179,9 +203,11 @@ __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const std::uint32_
 
 #undef FLASHREF_WGMMA_RS
 #undef FLASHREF_WGMMA_SS
+#undef FLASHREF_WGMMA_D88_OPS
 #undef FLASHREF_WGMMA_D64_OPS
 #undef FLASHREF_WGMMA_D40_OPS
 #undef FLASHREF_WGMMA_D32_OPS
+#undef FLASHREF_WGMMA_D88_REGS
 #undef FLASHREF_WGMMA_D64_REGS
 #undef FLASHREF_WGMMA_D40_REGS
 #undef FLASHREF_WGMMA_D32_REGS
