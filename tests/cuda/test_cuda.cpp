@@ -160,10 +160,10 @@ TEST_CASE("cuda: the Hopper kernel's 192-row blocks at D = 64", "[cuda][race]") 
     flashref::test::check_case(c, dtype, host_entry(fc::kernel_choice::hopper));
 }
 
-// At D = 128 with 2048 keys or more and without causal, a window or a block mask the Hopper
+// At D = 128 with 4096 keys or more and without causal, a window or a block mask the Hopper
 // kernel walks key tiles of 176 (tiles.cuh's tile_keys), K and V of a stage released apart:
-// key lengths that end the last tile in either of its two mask words (128 and 48 keys: 2048
-// leaves 112 keys in the last tile, 2262 leaves 150), whole tiles (2288), kv_len cutting tiles
+// key lengths that end the last tile in either of its two mask words (128 and 48 keys: 4096
+// leaves 48 keys in the last tile, 4198 leaves 150), whole tiles (4224), kv_len cutting tiles
 // (zero-filled V past it; batch 0 sees no key), GQA and query lengths no multiple of 128.
 TEST_CASE("cuda: the Hopper kernel's 176-key tiles at D = 128", "[cuda][race]") {
   if (!hopper_device()) return;
@@ -177,11 +177,11 @@ TEST_CASE("cuda: the Hopper kernel's 176-key tiles at D = 128", "[cuda][race]") 
     c.seed = static_cast<std::uint64_t>(lq * 5 + lk);
     cases.push_back(c);
   };
-  add("the last tile ends in its first word", 200, 2048, false);
-  add("the last tile ends in its second word", 333, 2262, false);
-  add("whole tiles", 256, 2288, false);
-  add("kv_len cutting tiles", 700, 3000, true);
-  add("few queries, kv_len", 130, 2100, true);
+  add("the last tile ends in its first word", 200, 4096, false);
+  add("the last tile ends in its second word", 333, 4198, false);
+  add("whole tiles", 256, 4224, false);
+  add("kv_len cutting tiles", 300, 5000, true);
+  add("few queries, kv_len", 130, 4100, true);
   for (const catalogue_case& c : cases)
     flashref::test::check_case(c, dtype, host_entry(fc::kernel_choice::hopper));
 }
