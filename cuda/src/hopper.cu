@@ -145,11 +145,12 @@ std::int64_t hopper_flag_count(const kernel_params& p, int sm_count) {
 cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
                           std::uint32_t* nonfinite_flags, int sm_count, cudaStream_t stream) {
   // The instantiation for (kD, kC), its keys per tile (tiles.cuh's tile_keys, which depends
-  // on whether a block mask is there and on whether the rows are narrow: banded by causal or
-  // a window, or short) and its element type.
+  // on whether a block mask is there and on whether the rows are narrow: banded by a window,
+  // short, or causal and not long) and its element type.
   const bool block_mask = p.mask.block_mask != nullptr;
-  const bool narrow = p.mask.causal != causal_mode::none || p.mask.window_left >= 0 ||
-                      p.mask.window_right >= 0 || p.len_k < sm90::kWideMinKeys;
+  const bool narrow = p.mask.window_left >= 0 || p.mask.window_right >= 0 ||
+                      p.len_k < sm90::kWideMinKeys ||
+                      (p.mask.causal != causal_mode::none && p.len_k < sm90::kWideCausalMinKeys);
   const auto typed = [&](auto d, auto c) {
     constexpr int kD = decltype(d)::value, kC = decltype(c)::value;
     const auto keyed = [&](auto k) {

@@ -160,20 +160,22 @@ TEST_CASE("cuda: the Hopper kernel's 192-row blocks at D = 64", "[cuda][race]") 
     flashref::test::check_case(c, dtype, host_entry(fc::kernel_choice::hopper));
 }
 
-// At D = 128 with 4096 keys or more and without causal, a window or a block mask the Hopper
-// kernel walks key tiles of 176 (tiles.cuh's tile_keys), K and V of a stage released apart:
-// key lengths that end the last tile in either of its two mask words (128 and 48 keys: 4096
-// leaves 48 keys in the last tile, 4198 leaves 150), whole tiles (4224), kv_len cutting tiles
-// (zero-filled V past it; batch 0 sees no key), GQA and query lengths no multiple of 128.
+// At D = 128 with 4096 keys or more (8192 under a causal mask) and without a window or a block
+// mask the Hopper kernel walks key tiles of 176 (tiles.cuh's tile_keys), K and V of a stage
+// released apart: key lengths that end the last tile in either of its two mask words (128 and
+// 48 keys: 4096 leaves 48 keys in the last tile, 4198 leaves 150), whole tiles (4224), kv_len
+// cutting tiles (zero-filled V past it; batch 0 sees no key), GQA, query lengths no multiple
+// of 128, and both causal alignments, whose diagonal crosses the 176-key tiles at every offset.
 TEST_CASE("cuda: the Hopper kernel's 176-key tiles at D = 128", "[cuda][race]") {
   if (!hopper_device()) return;
   const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float16);
   std::vector<catalogue_case> cases;
-  const auto add = [&](const char* name, std::int64_t lq, std::int64_t lk, bool kv_len) {
+  const auto add = [&](const char* name, std::int64_t lq, std::int64_t lk, bool kv_len,
+                       causal_mode causal = causal_mode::none) {
     catalogue_case c;
     c.name = name;
     c.shape.B = kv_len ? 3 : 2, c.shape.Hq = 4, c.shape.Hk = 2, c.shape.D = c.shape.Dv = 128;
-    c.shape.Lq = lq, c.shape.Lk = lk, c.shape.use_kv_len = kv_len;
+    c.shape.Lq = lq, c.shape.Lk = lk, c.shape.use_kv_len = kv_len, c.shape.causal = causal;
     c.seed = static_cast<std::uint64_t>(lq * 5 + lk);
     cases.push_back(c);
   };
@@ -182,6 +184,9 @@ TEST_CASE("cuda: the Hopper kernel's 176-key tiles at D = 128", "[cuda][race]") 
   add("whole tiles", 256, 4224, false);
   add("kv_len cutting tiles", 300, 5000, true);
   add("few queries, kv_len", 130, 4100, true);
+  add("causal bottom-right, few queries", 300, 8270, false, causal_mode::bottom_right);
+  add("causal top-left, the diagonal through every tile", 500, 8192, false, causal_mode::top_left);
+  add("causal bottom-right with kv_len", 300, 8500, true, causal_mode::bottom_right);
   for (const catalogue_case& c : cases)
     flashref::test::check_case(c, dtype, host_entry(fc::kernel_choice::hopper));
 }

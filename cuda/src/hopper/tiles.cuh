@@ -54,18 +54,20 @@ struct block_shape {
 };
 
 // Keys per tile for head dim d. At D = 128, 176 where the rows are long (kWideMinKeys keys or
-// more) and no mask bands them (as FlashAttention-3 takes: a longer tile spreads each tile's
-// fixed costs, the waits, the row maxima's shuffles and the rescale's vote, over more keys;
-// dense L = 16384 +8 to +12 %, L = 8192 +7 %, L = 4096 +3.5 %); 128 for `narrow` rows: under
-// causal or a window (a 176-key tile straddles the diagonal, so more of its keys are computed
-// only to be masked), and below kWideMinKeys keys (L = 1024 7 % slower, 6 tiles per row with
-// the last one partial against 8 whole ones; L = 2048 3 % slower), and under a block mask (a
-// 176-key tile straddles the 128-key mask blocks). At D = 256, where O alone takes 128
-// registers per thread, 80 (S: 40 registers; the most keys that two stages leave room for
-// beside Q), or 64 under a block mask: a tile of 80 keys straddles the usual 128-key mask
-// blocks, which turned most tiles partial and cost 2.6-4 x (cuda/NOTES.md, h12), where 64-key
-// tiles stay inside one block. At D = 64, 128.
+// more; kWideCausalMinKeys under a causal mask, whose rows average half as many) and no window
+// or block mask bands them (as FlashAttention-3 takes without a mask: a longer tile spreads each
+// tile's fixed costs, the waits, the row maxima's shuffles and the rescale's vote, over more
+// keys; dense L = 16384 +8 to +12 %, L = 8192 +7 %, L = 4096 +3.5 %; causal L = 16384 +5 %,
+// L = 8192 +6 %, L = 4096 -1.6 %); 128 for `narrow` rows: shorter ones (dense L = 1024 7 %
+// slower, 6 tiles per row with the last one partial against 8 whole ones; L = 2048 3 %
+// slower), under a window (a 176-key tile straddles both of its edges, so more of its keys are
+// computed only to be masked), and under a block mask (a 176-key tile straddles the 128-key
+// mask blocks). At D = 256, where O alone takes 128 registers per thread, 80 (S: 40 registers;
+// the most keys that two stages leave room for beside Q), or 64 under a block mask: a tile of 80
+// keys straddles the usual 128-key mask blocks, which turned most tiles partial and cost
+// 2.6-4 x (cuda/NOTES.md, h12), where 64-key tiles stay inside one block. At D = 64, 128.
 inline constexpr std::int64_t kWideMinKeys = 4096;
+inline constexpr std::int64_t kWideCausalMinKeys = 8192;
 constexpr int tile_keys(int d, bool block_mask, bool narrow) {
   if (d == 256) return block_mask ? 64 : 80;
   if (d == 128) return block_mask || narrow ? 128 : 176;
