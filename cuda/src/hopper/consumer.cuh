@@ -9,7 +9,8 @@
 //   rescale            O *= exp_old
 //   O += P V           wgmma, P from registers (bf16 / fp16), V in shared memory
 //
-// then releases the stage. When the producer closes the work item the epilogue writes O / sum
+// then releases the stage (its K after S and its V after P V where they are released apart:
+// tiles.cuh's kSplitRelease). When the producer closes the work item the epilogue writes O / sum
 // and LSE, while the producer already loads the next item's tiles; a query tile with no visible
 // key writes (0, -inf) without waiting for Q. Two loops take these steps: in sequence
 // (consume_serial, D = 64), and with one tile's P V running under the next tile's mask and
@@ -119,7 +120,8 @@ struct consumer_ring {
 // One work item with the two products of neighbouring tiles overlapped: in turn j the
 // warpgroup issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits for S_j alone
 // (wait<1>), and runs tile j's mask and softmax while P_{j-1} V_{j-1} still runs on the tensor
-// cores; only the rescale of O waits for it (wait<0>). Stage j - 1 is released after that.
+// cores; only the rescale of O waits for it (wait<0>). Stage j - 1 is released after that
+// (with kSplitRelease K_j as soon as S_j has completed, V_{j-1} then).
 // On entry stage ring.it holds the item's first tile (`info`) and Q has arrived.
 template <class T, int kD, int kC, int kK>
 __device__ void consume_overlapped(
