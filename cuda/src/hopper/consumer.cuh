@@ -31,18 +31,19 @@
 namespace flashref::cuda::detail::sm90 {
 
 // S (64, kTileK) = Q K^T over the head dim: one wgmma per 16 columns of it. With tiles of more
-// than 128 keys the consumer's registers are short, and the kD / 16 Q descriptors, the same in
-// every call, would be hoisted out of the tile loop into two registers each: there they are
-// formed in each call from one copy of the first that the compiler cannot hoist (opaque), one
-// add each.
+// than 128 keys (block_shape::kWide) the consumer's registers are short, and the kD / 16 Q
+// descriptors, the same in every call, would be hoisted out of the tile loop into two registers
+// each: there they are formed in each call from one copy of the first that the compiler cannot
+// hoist (opaque), one add each.
 template <class T, int kD, int kC, int kK, int kS>
 __device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD, kC, kK>& smem,
                                            int consumer, int stage) {
+  constexpr bool kWide = block_shape<kC, kK>::kWide;
   std::uint64_t q0 = 0;
-  if constexpr (kS > 64) q0 = opaque(smem.q_desc(consumer, 0));
+  if constexpr (kWide) q0 = opaque(smem.q_desc(consumer, 0));
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks) {
-    const std::uint64_t desc_q = kS > 64 ? q0 + smem.q_step(ks) : smem.q_desc(consumer, ks);
+    const std::uint64_t desc_q = kWide ? q0 + smem.q_step(ks) : smem.q_desc(consumer, ks);
     if constexpr (kS == 32) {
       wgmma_ss_n64<T>(s, desc_q, smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
     } else if constexpr (kS == 40) {
@@ -117,6 +118,10 @@ struct consumer_ring {
   }
 };
 
+// The ring of the block for (kD, kC, kK).
+template <int kD, int kC, int kK>
+using block_ring = consumer_ring<tiles<kD, kC, kK>::kStages, kC, tiles<kD, kC, kK>::kSplitRelease>;
+
 // One work item with the two products of neighbouring tiles overlapped: in turn j the
 // warpgroup issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits for S_j alone
 // (wait<1>), and runs tile j's mask and softmax while P_{j-1} V_{j-1} still runs on the tensor
@@ -124,10 +129,9 @@ struct consumer_ring {
 // (with kSplitRelease K_j as soon as S_j has completed, V_{j-1} then).
 // On entry stage ring.it holds the item's first tile (`info`) and Q has arrived.
 template <class T, int kD, int kC, int kK>
-__device__ void consume_overlapped(
-    const kernel_params& p, const tile_work& w, int consumer, const shared_tiles<kD, kC, kK>& smem,
-    consumer_ring<tiles<kD, kC, kK>::kStages, kC, tiles<kD, kC, kK>::kSplitRelease>& ring,
-    stage_info info) {
+__device__ void consume_overlapped(const kernel_params& p, const tile_work& w, int consumer,
+                                   const shared_tiles<kD, kC, kK>& smem,
+                                   block_ring<kD, kC, kK>& ring, stage_info info) {
   constexpr int kS = tiles<kD, kC, kK>::kTileK / 2;  // accumulator floats of S per thread
   constexpr int kO = kD / 2;                         // accumulator floats of O per thread
   const fragment_coords at(consumer);
@@ -201,7 +205,7 @@ __device__ void consume_overlapped(
   fence_operands(rO);
   ring.release_v(last);
   ring.release(ring.stage(ring.it++));
-  if constexpr (tiles<kD, kC, kK>::kTileK > 128) {
+  if constexpr (block_shape<kC, kK>::kWide) {
     // The item's rows formed afresh from its number (the closing stage carries it), so that
     // the 240 registers of a wide tile's loop do not also hold the rows' end across it.
     const tile_work rows = work_tile<tiles<kD, kC, kK>::kTileQ>(p, opaque(info.work));
@@ -215,10 +219,9 @@ __device__ void consume_overlapped(
 // before the next step (the two consumer warpgroups overlap each other by scheduling). On entry
 // stage ring.it holds the item's first tile (`info`) and Q has arrived.
 template <class T, int kD, int kC, int kK>
-__device__ void consume_serial(
-    const kernel_params& p, const tile_work& w, int consumer, const shared_tiles<kD, kC, kK>& smem,
-    consumer_ring<tiles<kD, kC, kK>::kStages, kC, tiles<kD, kC, kK>::kSplitRelease>& ring,
-    stage_info info) {
+__device__ void consume_serial(const kernel_params& p, const tile_work& w, int consumer,
+                               const shared_tiles<kD, kC, kK>& smem, block_ring<kD, kC, kK>& ring,
+                               stage_info info) {
   constexpr int kS = tiles<kD, kC, kK>::kTileK / 2;  // accumulator floats of S per thread
   constexpr int kO = kD / 2;                         // accumulator floats of O per thread
   const fragment_coords at(consumer);
@@ -274,7 +277,7 @@ template <class T, int kD, int kC, int kK>
 __device__ void consume(const kernel_params& p, int consumer, const shared_tiles<kD, kC, kK>& smem,
                         block_barriers<kD, kC, kK>& bar, std::uint32_t* nonfinite_flags) {
   using t = tiles<kD, kC, kK>;
-  consumer_ring<t::kStages, kC, t::kSplitRelease> ring{bar};
+  block_ring<kD, kC, kK> ring{bar};
   for (;;) {
     const stage_info first = ring.next();
     if (first.work == kNoMoreWork) {

@@ -85,80 +85,71 @@ __device__ __forceinline__ void fence_operands(float (&d)[kN]) {
       "+f"(d[76]), "+f"(d[77]), "+f"(d[78]), "+f"(d[79]), "+f"(d[80]), "+f"(d[81]), "+f"(d[82]), \
       "+f"(d[83]), "+f"(d[84]), "+f"(d[85]), "+f"(d[86]), "+f"(d[87])
 
-// One instruction, as a statement, for the element type TY ("f16" or "bf16").
+// One instruction, as a statement, in the element type of T (__half: "f16", else "bf16"):
+// each form below picks the type string and issues the instruction in it (FLASHREF_WGMMA_SS_AS
+// and FLASHREF_WGMMA_RS_AS, whose accumulator operands D_OPS come last, as the variadic
+// arguments, so that a list of them passes through one macro into the next).
 // ss: D (64 x N) = A B (scale_d == 0) or D + A B (scale_d == 1), A and B in shared memory;
 // TRANS "0, 0" for K-major A and B, "1, 1" for both MN-major (the backward's dQ = dS K, dS
 // stored key-major and K's rows holding the head dim). DESCS and PRED name the operands that
 // follow the accumulator's.
-#define FLASHREF_WGMMA_SS(N, TY, TRANS, D_REGS, D_OPS, DESCS, PRED)        \
+#define FLASHREF_WGMMA_SS_AS(TY, N, TRANS, D_REGS, DESCS, PRED, ...)       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED                    \
                ", 0;\n"                                                    \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY \
                " "                                                         \
                "{" D_REGS "}, " DESCS ", p, 1, 1, " TRANS ";\n}\n"         \
-               : D_OPS                                                     \
+               : __VA_ARGS__                                               \
                : "l"(desc_a), "l"(desc_b), "r"(scale_d))
+#define FLASHREF_WGMMA_SS(N, TRANS, D_REGS, DESCS, PRED, ...)                 \
+  if constexpr (std::is_same_v<T, __half>) {                                  \
+    FLASHREF_WGMMA_SS_AS("f16", N, TRANS, D_REGS, DESCS, PRED, __VA_ARGS__);  \
+  } else {                                                                    \
+    FLASHREF_WGMMA_SS_AS("bf16", N, TRANS, D_REGS, DESCS, PRED, __VA_ARGS__); \
+  }
 // rs: D += A B, A (four registers) from registers. A_REGS, DESC and PRED name the operands
 // that follow the accumulator's.
-#define FLASHREF_WGMMA_RS(N, TY, D_REGS, D_OPS, A_REGS, DESC, PRED)        \
+#define FLASHREF_WGMMA_RS_AS(TY, N, D_REGS, A_REGS, DESC, PRED, ...)       \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " PRED                    \
                ", 0;\n"                                                    \
                "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TY "." TY \
                " "                                                         \
                "{" D_REGS "}, {" A_REGS "}, " DESC ", p, 1, 1, 1;\n}\n"    \
-               : D_OPS                                                     \
+               : __VA_ARGS__                                               \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "n"(1))
+#define FLASHREF_WGMMA_RS(N, D_REGS, A_REGS, DESC, PRED, ...)                 \
+  if constexpr (std::is_same_v<T, __half>) {                                  \
+    FLASHREF_WGMMA_RS_AS("f16", N, D_REGS, A_REGS, DESC, PRED, __VA_ARGS__);  \
+  } else {                                                                    \
+    FLASHREF_WGMMA_RS_AS("bf16", N, D_REGS, A_REGS, DESC, PRED, __VA_ARGS__); \
+  }
 
 // D (64 x 128) = A B (scale_d == 0) or D + A B (scale_d == 1).
 template <class T>
 __device__ __forceinline__ void wgmma_ss_n128(float (&d)[64], std::uint64_t desc_a,
                                               std::uint64_t desc_b, int scale_d) {
-  if constexpr (std::is_same_v<T, __half>) {
-    FLASHREF_WGMMA_SS(128, "f16", "0, 0", FLASHREF_WGMMA_D64_REGS, FLASHREF_WGMMA_D64_OPS,
-                      "%64, %65", "%66");
-  } else {
-    FLASHREF_WGMMA_SS(128, "bf16", "0, 0", FLASHREF_WGMMA_D64_REGS, FLASHREF_WGMMA_D64_OPS,
-                      "%64, %65", "%66");
-  }
+  FLASHREF_WGMMA_SS(128, "0, 0", FLASHREF_WGMMA_D64_REGS, "%64, %65", "%66", FLASHREF_WGMMA_D64_OPS)
 }
 
 // D (64 x 176) = A B (scale_d == 0) or D + A B (scale_d == 1).
 template <class T>
 __device__ __forceinline__ void wgmma_ss_n176(float (&d)[88], std::uint64_t desc_a,
                                               std::uint64_t desc_b, int scale_d) {
-  if constexpr (std::is_same_v<T, __half>) {
-    FLASHREF_WGMMA_SS(176, "f16", "0, 0", FLASHREF_WGMMA_D88_REGS, FLASHREF_WGMMA_D88_OPS,
-                      "%88, %89", "%90");
-  } else {
-    FLASHREF_WGMMA_SS(176, "bf16", "0, 0", FLASHREF_WGMMA_D88_REGS, FLASHREF_WGMMA_D88_OPS,
-                      "%88, %89", "%90");
-  }
+  FLASHREF_WGMMA_SS(176, "0, 0", FLASHREF_WGMMA_D88_REGS, "%88, %89", "%90", FLASHREF_WGMMA_D88_OPS)
 }
 
 // D (64 x 64) = A B (scale_d == 0) or D + A B (scale_d == 1).
 template <class T>
 __device__ __forceinline__ void wgmma_ss_n64(float (&d)[32], std::uint64_t desc_a,
                                              std::uint64_t desc_b, int scale_d) {
-  if constexpr (std::is_same_v<T, __half>) {
-    FLASHREF_WGMMA_SS(64, "f16", "0, 0", FLASHREF_WGMMA_D32_REGS, FLASHREF_WGMMA_D32_OPS,
-                      "%32, %33", "%34");
-  } else {
-    FLASHREF_WGMMA_SS(64, "bf16", "0, 0", FLASHREF_WGMMA_D32_REGS, FLASHREF_WGMMA_D32_OPS,
-                      "%32, %33", "%34");
-  }
+  FLASHREF_WGMMA_SS(64, "0, 0", FLASHREF_WGMMA_D32_REGS, "%32, %33", "%34", FLASHREF_WGMMA_D32_OPS)
 }
 
 // D (64 x 80) = A B (scale_d == 0) or D + A B (scale_d == 1).
 template <class T>
 __device__ __forceinline__ void wgmma_ss_n80(float (&d)[40], std::uint64_t desc_a,
                                              std::uint64_t desc_b, int scale_d) {
-  if constexpr (std::is_same_v<T, __half>) {
-    FLASHREF_WGMMA_SS(80, "f16", "0, 0", FLASHREF_WGMMA_D40_REGS, FLASHREF_WGMMA_D40_OPS,
-                      "%40, %41", "%42");
-  } else {
-    FLASHREF_WGMMA_SS(80, "bf16", "0, 0", FLASHREF_WGMMA_D40_REGS, FLASHREF_WGMMA_D40_OPS,
-                      "%40, %41", "%42");
-  }
+  FLASHREF_WGMMA_SS(80, "0, 0", FLASHREF_WGMMA_D40_REGS, "%40, %41", "%42", FLASHREF_WGMMA_D40_OPS)
 }
 
 // The same with both operands MN-major: A (64 x 16) stored as 16 rows of its 64 rows' values
@@ -166,43 +157,29 @@ __device__ __forceinline__ void wgmma_ss_n80(float (&d)[40], std::uint64_t desc_
 template <class T>
 __device__ __forceinline__ void wgmma_ss_n64_mn(float (&d)[32], std::uint64_t desc_a,
                                                 std::uint64_t desc_b, int scale_d) {
-  if constexpr (std::is_same_v<T, __half>) {
-    FLASHREF_WGMMA_SS(64, "f16", "1, 1", FLASHREF_WGMMA_D32_REGS, FLASHREF_WGMMA_D32_OPS,
-                      "%32, %33", "%34");
-  } else {
-    FLASHREF_WGMMA_SS(64, "bf16", "1, 1", FLASHREF_WGMMA_D32_REGS, FLASHREF_WGMMA_D32_OPS,
-                      "%32, %33", "%34");
-  }
+  FLASHREF_WGMMA_SS(64, "1, 1", FLASHREF_WGMMA_D32_REGS, "%32, %33", "%34", FLASHREF_WGMMA_D32_OPS)
 }
 
 // D (64 x 64) += A B, A from registers.
 template <class T>
 __device__ __forceinline__ void wgmma_rs_n64(float (&d)[32], const std::uint32_t (&a)[4],
                                              std::uint64_t desc_b) {
-  if constexpr (std::is_same_v<T, __half>) {
-    FLASHREF_WGMMA_RS(64, "f16", FLASHREF_WGMMA_D32_REGS, FLASHREF_WGMMA_D32_OPS, "%32,%33,%34,%35",
-                      "%36", "%37");
-  } else {
-    FLASHREF_WGMMA_RS(64, "bf16", FLASHREF_WGMMA_D32_REGS, FLASHREF_WGMMA_D32_OPS,
-                      "%32,%33,%34,%35", "%36", "%37");
-  }
+  FLASHREF_WGMMA_RS(64, FLASHREF_WGMMA_D32_REGS, "%32,%33,%34,%35", "%36", "%37",
+                    FLASHREF_WGMMA_D32_OPS)
 }
 
 // D (64 x 128) += A B, A from registers.
 template <class T>
 __device__ __forceinline__ void wgmma_rs_n128(float (&d)[64], const std::uint32_t (&a)[4],
                                               std::uint64_t desc_b) {
-  if constexpr (std::is_same_v<T, __half>) {
-    FLASHREF_WGMMA_RS(128, "f16", FLASHREF_WGMMA_D64_REGS, FLASHREF_WGMMA_D64_OPS,
-                      "%64,%65,%66,%67", "%68", "%69");
-  } else {
-    FLASHREF_WGMMA_RS(128, "bf16", FLASHREF_WGMMA_D64_REGS, FLASHREF_WGMMA_D64_OPS,
-                      "%64,%65,%66,%67", "%68", "%69");
-  }
+  FLASHREF_WGMMA_RS(128, FLASHREF_WGMMA_D64_REGS, "%64,%65,%66,%67", "%68", "%69",
+                    FLASHREF_WGMMA_D64_OPS)
 }
 
 #undef FLASHREF_WGMMA_RS
+#undef FLASHREF_WGMMA_RS_AS
 #undef FLASHREF_WGMMA_SS
+#undef FLASHREF_WGMMA_SS_AS
 #undef FLASHREF_WGMMA_D88_OPS
 #undef FLASHREF_WGMMA_D64_OPS
 #undef FLASHREF_WGMMA_D40_OPS
