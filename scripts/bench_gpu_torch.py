@@ -111,6 +111,9 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--seconds", type=float, default=0.25)
     ap.add_argument("--seed", type=int, default=2024)
+    ap.add_argument("--back-to-back", action="store_true",
+                    help="time streams of calls; records of `flashref bench-gpu --back-to-back` "
+                         "are timed so in any case")
     args = ap.parse_args()
     with open(args.ours) as f:
         ours = json.load(f)
@@ -143,15 +146,16 @@ def main():
         point = (key, r["mask"], r.get("density"), r.get("block"), backward)
         times = measured.setdefault(point, {})
         scale = 1.0 / math.sqrt(D)
+        back_to_back = args.back_to_back or r.get("back_to_back", False)
 
         def timed(attn):
             """The forward's time, or with a backward record the backward's alone."""
             if not backward:
-                return time_fn(lambda: attn(q, k, v), args.seconds)
+                return time_fn(lambda: attn(q, k, v), args.seconds, back_to_back)
             qg, kg, vg = (t.detach().requires_grad_() for t in (q, k, v))
             o = attn(qg, kg, vg)
             return time_fn(lambda: torch.autograd.grad(o, (qg, kg, vg), d_o, retain_graph=True),
-                           args.seconds)
+                           args.seconds, back_to_back)
 
         if not times and r["mask"] in ("dense", "causal"):
             causal = r["mask"] == "causal"

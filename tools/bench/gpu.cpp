@@ -4,8 +4,10 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <iomanip>
 #include <memory>
 #include <sstream>
 
@@ -27,6 +29,7 @@ struct gpu_bench_options {
   std::uint64_t seed = 2024;
   bool backward = false;          // also time the backward at every point
   bool nondeterministic = false;  // the backward's device_backward_problem::deterministic = false
+  bool back_to_back = false;      // time streams of calls instead of one call per event pair
 };
 
 void check(cudaError_t e, const char* what) {
@@ -175,12 +178,19 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
     r.visible_fraction = fraction;
     r.kernel = cuda::kernel_for(dp);
 
-    // The median of event-timed runs of `launch` (two warm-up runs set the repetitions).
+    // The median of event-timed runs of `launch` (two warm-up runs set the repetitions). The
+    // events enclose the host's part of the call too (checks, tensor maps, launches: the GPU
+    // waits for them), so `host_s` keeps the median wall time until the call returned.
     int reps = 0;
+    double host_s = 0;
     const auto median_time = [&](const auto& launch) {
+      std::vector<double> host_times;
       const auto run_once = [&]() {
         check(cudaEventRecord(start, nullptr), "cudaEventRecord");
+        const auto t0 = std::chrono::steady_clock::now();
         launch();
+        host_times.push_back(
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
         check(cudaEventRecord(stop, nullptr), "cudaEventRecord");
         check(cudaEventSynchronize(stop), "attention kernel");
         float ms = 0;
@@ -191,13 +201,38 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
       first = std::min(first, run_once());
       reps = int(std::clamp(opt.seconds_per_point / std::max(first, 1e-7), 5.0, 200.0));
       std::vector<double> times;
+      if (opt.back_to_back) {
+        // Five runs of `calls` calls each between one pair of events: the time per call of a
+        // stream of calls, the host's part overlapping the kernels before it.
+        const int calls = std::clamp(reps / 5, 5, 100);
+        run_once();  // a third single call: three host times for their median
+        for (int run = 0; run < 5; ++run) {
+          check(cudaEventRecord(start, nullptr), "cudaEventRecord");
+          for (int c = 0; c < calls; ++c)
+            launch();
+          check(cudaEventRecord(stop, nullptr), "cudaEventRecord");
+          check(cudaEventSynchronize(stop), "attention kernel");
+          float ms = 0;
+          check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
+          times.push_back(double(ms) * 1e-3 / calls);
+        }
+        reps = 5 * calls;
+        std::nth_element(host_times.begin(), host_times.begin() + 1, host_times.end());
+        host_s = host_times[1];  // of the three runs above
+        std::nth_element(times.begin(), times.begin() + 2, times.end());
+        return times[2];
+      }
       for (int i = 0; i < reps; ++i)
         times.push_back(run_once());
       std::nth_element(times.begin(), times.begin() + reps / 2, times.end());
+      std::nth_element(host_times.begin(), host_times.begin() + reps / 2, host_times.end());
+      host_s = host_times[std::size_t(reps / 2)];
       return times[std::size_t(reps / 2)];
     };
     check(cudaMemset(o.get(), 0xff, n * 2), "cudaMemset");  // NaN: unwritten rows show
     r.median_s = median_time([&] { cuda::attention(dp, nullptr); });
+    r.host_s = host_s;
+    r.back_to_back = opt.back_to_back;
     r.flops = 4.0 * double(B) * double(Hq) * double(L) * double(L) * double(D) * fraction;
     r.gflops = r.flops / r.median_s * 1e-9;
     if (pt.mask == "dense") dense_time = r.median_s;
@@ -221,7 +256,8 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
       r.empty_rows_bad += (empty && nonzero) ? 1 : 0;
     }
     std::ostringstream note;
-    note << "reps=" << reps << " kernel=" << r.kernel;
+    note << "reps=" << reps << " kernel=" << r.kernel << " host_us=" << std::fixed
+         << std::setprecision(1) << r.host_s * 1e6;
     r.note = note.str();
     print_row(table, r, "forward");
     results.push_back(r);
@@ -244,6 +280,7 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
       for (void* g : {d_q.get(), d_k.get(), d_v.get()})
         check(cudaMemset(g, 0xff, n * 2), "cudaMemset");  // NaN: unwritten elements show
       w.median_s = median_time([&] { cuda::attention_backward(bp, nullptr); });
+      w.host_s = host_s;
       w.flops = 2.5 * r.flops;
       w.gflops = w.flops / w.median_s * 1e-9;
       if (pt.mask == "dense") dense_bwd_time = w.median_s;
@@ -265,8 +302,11 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
           w.empty_rows_bad += (g == d_q.get() && empty && nonzero) ? 1 : 0;
         }
       }
-      w.note = "reps=" + std::to_string(reps) + " kernel=" + w.kernel +
-               (opt.nondeterministic ? " nondeterministic" : "");
+      std::ostringstream bnote;
+      bnote << "reps=" << reps << " kernel=" << w.kernel << " host_us=" << std::fixed
+            << std::setprecision(1) << w.host_s * 1e6
+            << (opt.nondeterministic ? " nondeterministic" : "");
+      w.note = bnote.str();
       print_row(table, w, "backward");
       results.push_back(std::move(w));
     }
@@ -294,6 +334,9 @@ void add_bench_gpu(CLI::App& app, exit_slot status) {
   cmd->add_option("--seconds", opt->seconds_per_point, "timed seconds per grid point");
   cmd->add_option("--seed", opt->seed, "seed of the inputs and block masks");
   cmd->add_option("--json", *json, "write the records as JSON to this file");
+  cmd->add_flag("--back-to-back", opt->back_to_back,
+                "time five runs of several calls each between one pair of events (the time "
+                "per call of a stream of calls) instead of one call per pair");
   cmd->add_flag("--backward", opt->backward,
                 "also time the backward at every point (SPEC §9: 2.5 x the forward's FLOPs)");
   cmd->add_flag("--nondeterministic", opt->nondeterministic,

@@ -35,6 +35,8 @@ nlohmann::json to_json(const bench_record& r) {
   if (r.empty_rows >= 0) j["empty_rows"] = r.empty_rows;
   if (r.empty_rows_bad >= 0) j["empty_rows_bad"] = r.empty_rows_bad;
   if (!r.pass.empty()) j["pass"] = r.pass;
+  if (r.host_s > 0) j["host_s"] = r.host_s;
+  if (r.back_to_back) j["back_to_back"] = true;
   if (!r.note.empty()) j["note"] = r.note;
   return j;
 }

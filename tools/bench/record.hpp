@@ -30,6 +30,8 @@ struct bench_record {
   double gbps = 0;           // decode: GB/s of K and V read; copy_bandwidth: GB/s moved
   // Filled by the GPU grid:
   std::string kernel;                // the CUDA kernel that ran
+  double host_s = 0;                 // median wall time of the call's host part (enqueueing)
+  bool back_to_back = false;         // timed as streams of calls (bench-gpu --back-to-back)
   double visible_fraction = 0;       // fraction of (query, key) pairs in visible blocks
   std::uint64_t mask_hash = 0;       // of the block-sparse mask (block_sparse_mask)
   std::int64_t nan_rows = -1;        // rows holding NaN or +inf (-1: not checked)
