@@ -41,6 +41,10 @@ namespace {
 
 struct hopper_params {
   sm90::tensor_maps maps;
+  // O's map for the TMA stores of the epilogue (kernels whose block stages O: tiles.cuh's
+  // kStageO), where O is 16-bit with whole 16-byte rows; else not made, and o_tma false.
+  CUtensorMap o_map;
+  bool o_tma;
   kernel_params p;
   std::uint32_t* work_counter;  // zero at launch (scheduler.cuh), or null: a fixed stride
   // Null, or hopper_flag_count words: each consumer warp's "a value of O was NaN or inf"
@@ -63,6 +67,7 @@ __global__ void __launch_bounds__(sm90::block_shape<kC, kK>::kThreads, 1)
     tma_prefetch_map(&hp.maps.q);
     tma_prefetch_map(&hp.maps.k);
     tma_prefetch_map(&hp.maps.v);
+    if (hp.o_tma) tma_prefetch_map(&hp.o_map);
   }
   __syncthreads();
   if (warpgroup == 0) {
@@ -70,7 +75,7 @@ __global__ void __launch_bounds__(sm90::block_shape<kC, kK>::kThreads, 1)
     if (threadIdx.x < 32) produce<T, kD, kC, kK>(hp, s_raw, bar);
   } else {
     setmaxnreg_inc<shape::kConsumerRegs>();
-    consume<T, kD, kC, kK>(hp.p, warpgroup - 1, smem, bar, hp.nonfinite_flags);
+    consume<T, kD, kC, kK>(hp, warpgroup - 1, smem, bar);
   }
 #else
   (void)hp;
@@ -103,6 +108,15 @@ cudaError_t launch(const kernel_params& p, elem input, std::uint32_t* work_count
                        t::kTileK);
   }
   if (e != cudaSuccess) return e;
+  hp.o_tma = false;
+  if constexpr (t::kStageO) {
+    // O in the input's 16-bit type, columns contiguous, base and strides whole 16 bytes (what a
+    // TMA box needs; a map the driver refuses leaves the stores to the registers).
+    if (p.out == input && row_store_of(p.o, p.o_stride, p.out) == row_store::packed16) {
+      hp.o_tma = sm90::make_map(&hp.o_map, p.o, input, p.batch, p.heads_q, p.len_q, kD, p.o_stride,
+                                sm90::kRowsPerConsumer) == cudaSuccess;
+    }
+  }
   constexpr int kSmem = t::kSmemBytes;
   e = cudaFuncSetAttribute(hopper_kernel<T, kD, kC, kK>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);

@@ -306,11 +306,54 @@ TEST_CASE("cuda device entry: bf16 in and out, [B, L, H, D] storage, a stream", 
       compare(g, o.data(), lse.data(), default_tolerance(input_dtype::bfloat16, max_v)));
 }
 
-// O's layout decides how the epilogue stores (16-byte pieces of whole columns when its rows
-// allow, 8-byte float pairs, else element by element), never what it stores: bf16 output in
-// three layouts gives the same bits, float32 output in two the same values, and the bf16 bits
-// are the float32 values rounded to nearest. Rows past Lq in the last tile and empty rows
-// (bottom-right causal with Lq > Lk) included.
+namespace {
+
+// The device entry on `op` (bf16 inputs, no block mask) with O as (B, H, L, Dv) of dtype `out`,
+// row pitch `pitch` and column stride `col`, `offset` elements into its allocation; O returned
+// row-major as float (LSE into `lse` when given).
+std::vector<float> run_o_layout(const flashref::problem_data& op, const problem_shape& s,
+                                fc::kernel_choice kernel, input_dtype out, std::int64_t pitch,
+                                std::int64_t col, std::int64_t offset,
+                                std::vector<float>* lse = nullptr) {
+  const flashref::attention_problem p = op.inputs();
+  const auto q = to_bits(op.q), k = to_bits(op.k), v = to_bits(op.v);
+  const std::int64_t B = s.B, H = s.Hq, L = s.Lq, Dv = s.Dv;
+  const auto bf16 = input_dtype::bfloat16, f32 = input_dtype::float32;
+  device_copy dc;
+  fc::device_problem dp;
+  const std::array<std::int64_t, 4> qs{B, s.Hq, s.Lq, s.D}, ks{B, s.Hk, s.Lk, s.D};
+  dp.q = {dc.upload(q.data(), q.size() * 2), bf16, qs, p.q.stride};
+  dp.k = {dc.upload(k.data(), k.size() * 2), bf16, ks, p.k.stride};
+  dp.v = {dc.upload(v.data(), v.size() * 2), bf16, ks, p.v.stride};
+  const std::int64_t elem = out == input_dtype::float32 ? 4 : 2;
+  const std::int64_t count = B * H * L * pitch + offset;
+  auto* base = static_cast<unsigned char*>(dc.alloc(std::size_t(count * elem)));
+  const std::array<std::int64_t, 4> ost{H * L * pitch, L * pitch, pitch, col};
+  dp.o = {base + offset * elem, out, {B, H, L, Dv}, ost};
+  if (lse != nullptr) {
+    lse->resize(std::size_t(B * H * L));
+    dp.lse = {dc.alloc(lse->size() * 4), f32, {B, H, L}, {H * L, L, 1}};
+  }
+  dp.causal = p.causal;
+  dp.kernel = kernel;
+  REQUIRE(std::string(fc::kernel_for(dp)) == name_of(kernel));
+  fc::attention(dp, nullptr);
+  cuda_check(cudaDeviceSynchronize());
+  std::vector<unsigned char> raw(std::size_t(count * elem));
+  cuda_check(cudaMemcpy(raw.data(), base, raw.size(), cudaMemcpyDeviceToHost));
+  if (lse != nullptr) {
+    cuda_check(cudaMemcpy(lse->data(), dp.lse.data, lse->size() * 4, cudaMemcpyDeviceToHost));
+  }
+  return flashref::test::strided_floats(raw, elem == 4, offset, {B, H, L, Dv}, ost);
+}
+
+}  // namespace
+
+// O's layout decides how the epilogue stores (a TMA store from shared memory or 16-byte pieces of
+// whole columns when its rows allow, 8-byte float pairs, else element by element), never what it
+// stores: bf16 output in three layouts gives the same bits, float32 output in two the same values,
+// and the bf16 bits are the float32 values rounded to nearest. Rows past Lq in the last tile and
+// empty rows (bottom-right causal with Lq > Lk) included.
 TEST_CASE("cuda device entry: O's layout and dtype change no bit of the result", "[cuda]") {
   problem_shape s;
   s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 200, s.Lk = 150, s.D = s.Dv = GENERATE(64, 128, 256);
@@ -321,42 +364,13 @@ TEST_CASE("cuda device entry: O's layout and dtype change no bit of the result",
   CAPTURE(s.describe(), name_of(kernel));
   flashref::problem_data op = flashref::test::random_problem(s, 33);
   flashref::test::round_inputs(op, input_dtype::bfloat16);
-  const flashref::attention_problem p = op.inputs();
-  const auto q = to_bits(op.q), k = to_bits(op.k), v = to_bits(op.v);
-  const std::int64_t B = s.B, H = s.Hq, L = s.Lq, Dv = s.Dv;
+  const std::int64_t Dv = s.Dv;
   const auto bf16 = input_dtype::bfloat16, f32 = input_dtype::float32;
-  // O as (B, H, L, Dv) with row pitch `pitch` and column stride `col`, `offset` elements into
-  // its allocation; returned row-major as float (LSE into `lse` when given).
   const auto run = [&](input_dtype out, std::int64_t pitch, std::int64_t col, std::int64_t offset,
                        std::vector<float>* lse = nullptr) {
-    device_copy dc;
-    fc::device_problem dp;
-    const std::array<std::int64_t, 4> qs{B, s.Hq, s.Lq, s.D}, ks{B, s.Hk, s.Lk, s.D};
-    dp.q = {dc.upload(q.data(), q.size() * 2), bf16, qs, p.q.stride};
-    dp.k = {dc.upload(k.data(), k.size() * 2), bf16, ks, p.k.stride};
-    dp.v = {dc.upload(v.data(), v.size() * 2), bf16, ks, p.v.stride};
-    const std::int64_t elem = out == input_dtype::float32 ? 4 : 2;
-    const std::int64_t count = B * H * L * pitch + offset;
-    auto* base = static_cast<unsigned char*>(dc.alloc(std::size_t(count * elem)));
-    const std::array<std::int64_t, 4> ost{H * L * pitch, L * pitch, pitch, col};
-    dp.o = {base + offset * elem, out, {B, H, L, Dv}, ost};
-    if (lse != nullptr) {
-      lse->resize(std::size_t(B * H * L));
-      dp.lse = {dc.alloc(lse->size() * 4), f32, {B, H, L}, {H * L, L, 1}};
-    }
-    dp.causal = p.causal;
-    dp.kernel = kernel;
-    REQUIRE(std::string(fc::kernel_for(dp)) == name_of(kernel));
-    fc::attention(dp, nullptr);
-    cuda_check(cudaDeviceSynchronize());
-    std::vector<unsigned char> raw(std::size_t(count * elem));
-    cuda_check(cudaMemcpy(raw.data(), base, raw.size(), cudaMemcpyDeviceToHost));
-    if (lse != nullptr) {
-      cuda_check(cudaMemcpy(lse->data(), dp.lse.data, lse->size() * 4, cudaMemcpyDeviceToHost));
-    }
-    return flashref::test::strided_floats(raw, elem == 4, offset, {B, H, L, Dv}, ost);
+    return run_o_layout(op, s, kernel, out, pitch, col, offset, lse);
   };
-  const std::vector<float> packed = run(bf16, Dv, 1, 0);      // 16-byte pieces
+  const std::vector<float> packed = run(bf16, Dv, 1, 0);      // 16-byte pieces (or TMA)
   const std::vector<float> padded = run(bf16, Dv + 4, 1, 0);  // rows 8-byte aligned only
   const std::vector<float> spread = run(bf16, 2 * Dv, 2, 0);  // column stride 2
   std::vector<float> lse;
@@ -376,6 +390,37 @@ TEST_CASE("cuda device entry: O's layout and dtype change no bit of the result",
   const double max_v = flashref::test::max_abs(op.v);
   FLASHREF_REQUIRE_CONFORMS(
       compare(g, pairs.data(), lse.data(), default_tolerance(input_dtype::bfloat16, max_v)));
+}
+
+// The blocks that stage O for a TMA store and hold two Q buffers (D = 64 with 128 query rows,
+// D = 128 with 128-key tiles: cuda/src/hopper/tiles.cuh), each block taking several work items,
+// the last query tile cut short, GQA: bf16 O in whole 16-byte rows (the TMA store) has the bits
+// of the float32 output rounded, and conforms to the float64 reference.
+TEST_CASE("cuda: the Hopper kernel's staged O and two Q buffers over many work items",
+          "[cuda][race]") {
+  if (!hopper_device()) return;
+  problem_shape s;
+  s.B = 1, s.Hq = 40, s.Hk = 8, s.Lq = 400, s.Lk = 500;
+  const int variant = GENERATE(0, 1, 2);
+  s.D = s.Dv = variant == 0 ? 64 : 128;
+  s.causal = variant == 1 ? causal_mode::none : causal_mode::bottom_right;
+  CAPTURE(s.describe());
+  flashref::problem_data op = flashref::test::random_problem(s, 71 + variant);
+  flashref::test::round_inputs(op, input_dtype::bfloat16);
+  const fc::kernel_choice hopper = fc::kernel_choice::hopper;
+  const std::vector<float> staged = run_o_layout(op, s, hopper, input_dtype::bfloat16, s.Dv, 1, 0);
+  std::vector<float> lse;
+  const std::vector<float> pairs =
+      run_o_layout(op, s, hopper, input_dtype::float32, s.Dv, 1, 0, &lse);
+  REQUIRE(staged.size() == pairs.size());
+  std::size_t differ = 0;
+  for (std::size_t n = 0; n < staged.size(); ++n)
+    differ += bf16_bits(staged[n]) == bf16_bits(pairs[n]) ? 0 : 1;
+  CHECK(differ == 0);
+  const flashref::reference::golden g = flashref::reference::naive_attention(op.inputs());
+  const double max_v = flashref::test::max_abs(op.v);
+  FLASHREF_REQUIRE_CONFORMS(
+      compare(g, staged.data(), lse.data(), default_tolerance(input_dtype::bfloat16, max_v)));
 }
 
 TEST_CASE("cuda is bitwise deterministic from run to run", "[cuda][big]") {

@@ -30,20 +30,21 @@
 
 namespace flashref::cuda::detail::sm90 {
 
-// S (64, kTileK) = Q K^T over the head dim: one wgmma per 16 columns of it. With tiles of more
-// than 128 keys (block_shape::kWide) the consumer's registers are short, and the kD / 16 Q
-// descriptors, the same in every call, would be hoisted out of the tile loop into two registers
-// each: there they are formed in each call from one copy of the first that the compiler cannot
+// S (64, kTileK) = Q K^T over the head dim: one wgmma per 16 columns of it, Q from buffer
+// q_slot. The kD / 16 Q descriptors, the same in every call of an item, would be hoisted out of
+// the tile loop into two registers each; with tiles of more than 128 keys (block_shape::kWide)
+// or two Q buffers (whose descriptors change from item to item) the consumer's registers are
+// short, and they are formed in each call from one copy of the first that the compiler cannot
 // hoist (opaque), one add each.
 template <class T, int kD, int kC, int kK, int kS>
 __device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD, kC, kK>& smem,
-                                           int consumer, int stage) {
-  constexpr bool kWide = block_shape<kC, kK>::kWide;
+                                           int q_slot, int consumer, int stage) {
+  constexpr bool kFormed = block_shape<kC, kK>::kWide || tiles<kD, kC, kK>::kQStages > 1;
   std::uint64_t q0 = 0;
-  if constexpr (kWide) q0 = opaque(smem.q_desc(consumer, 0));
+  if constexpr (kFormed) q0 = opaque(smem.q_desc(q_slot, consumer, 0));
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks) {
-    const std::uint64_t desc_q = kWide ? q0 + smem.q_step(ks) : smem.q_desc(consumer, ks);
+    const std::uint64_t desc_q = kFormed ? q0 + smem.q_step(ks) : smem.q_desc(q_slot, consumer, ks);
     if constexpr (kS == 32) {
       wgmma_ss_n64<T>(s, desc_q, smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
     } else if constexpr (kS == 40) {
@@ -76,9 +77,9 @@ __device__ __forceinline__ void pv_product(float (&acc)[kD / 2], const std::uint
 
 // The stages and the Q tile a consumer warp is done with, and its place in the ring: the
 // stage counter runs on across work items, as the producer's does.
-template <int kStages, int kC, bool kSplit>
+template <int kStages, int kC, bool kSplit, int kQ>
 struct consumer_ring {
-  barriers<kStages, kC, kSplit>& bar;
+  barriers<kStages, kC, kSplit, kQ>& bar;
   int it = 0;       // stages consumed so far
   int q_loads = 0;  // Q tiles waited for so far
 
@@ -104,12 +105,17 @@ struct consumer_ring {
     __syncwarp();
     if (threadIdx.x % 32 == 0) mbar_arrive(&empty);
   }
-  __device__ void wait_q() { mbar_wait(&bar.q_full, q_loads++ & 1); }
+  // Waits for the current item's Q; then q_slot() is its buffer.
+  __device__ void wait_q() {
+    const int n = q_loads++;
+    mbar_wait(&bar.q_full[n % kQ], (n / kQ) & 1);
+  }
+  __device__ int q_slot() const { return (q_loads - 1) % kQ; }
   // This warp's word of the block's non-finite flags (store_rows).
   __device__ std::uint32_t& nonfinite_flag() const { return bar.nonfinite[threadIdx.x / 32 - 4]; }
   __device__ void release_q() {
     __syncwarp();
-    if (threadIdx.x % 32 == 0) mbar_arrive(&bar.q_empty);  // this warp reads Q no more
+    if (threadIdx.x % 32 == 0) mbar_arrive(&bar.q_empty[q_slot()]);  // this warp reads Q no more
   }
   // Waits for stage `it` and reads its descriptor.
   __device__ stage_info next() {
@@ -120,7 +126,26 @@ struct consumer_ring {
 
 // The ring of the block for (kD, kC, kK).
 template <int kD, int kC, int kK>
-using block_ring = consumer_ring<tiles<kD, kC, kK>::kStages, kC, tiles<kD, kC, kK>::kSplitRelease>;
+using block_ring = consumer_ring<tiles<kD, kC, kK>::kStages, kC, tiles<kD, kC, kK>::kSplitRelease,
+                                 tiles<kD, kC, kK>::kQStages>;
+
+// The item's epilogue: through the block's O staging and a TMA store where the block has room
+// for it and the host made O's map (hp.o_tma, hp.o_map), else straight from the registers.
+// Params: p (the problem), o_tma and o_map (hopper.cu's hopper_params).
+template <class T, int kD, int kC, int kK, class Params>
+__device__ __forceinline__ void store_item(const Params& hp, const shared_tiles<kD, kC, kK>& smem,
+                                           int consumer, const tile_work& w,
+                                           const fragment_coords& at, const float (&acc)[kD / 2],
+                                           fragment_softmax& sm, std::uint32_t& warp_flag) {
+  if constexpr (tiles<kD, kC, kK>::kStageO) {
+    if (hp.o_tma) {
+      store_rows_staged<T>(hp.p, &hp.o_map, smem.o_rows(consumer), consumer, w, at, acc, sm,
+                           warp_flag);
+      return;
+    }
+  }
+  store_rows<T>(hp.p, w, at, acc, sm, warp_flag);
+}
 
 // One work item with the two products of neighbouring tiles overlapped: in turn j the
 // warpgroup issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits for S_j alone
@@ -128,10 +153,11 @@ using block_ring = consumer_ring<tiles<kD, kC, kK>::kStages, kC, tiles<kD, kC, k
 // cores; only the rescale of O waits for it (wait<0>). Stage j - 1 is released after that
 // (with kSplitRelease K_j as soon as S_j has completed, V_{j-1} then).
 // On entry stage ring.it holds the item's first tile (`info`) and Q has arrived.
-template <class T, int kD, int kC, int kK>
-__device__ void consume_overlapped(const kernel_params& p, const tile_work& w, int consumer,
+template <class T, int kD, int kC, int kK, class Params>
+__device__ void consume_overlapped(const Params& hp, const tile_work& w, int consumer,
                                    const shared_tiles<kD, kC, kK>& smem,
                                    block_ring<kD, kC, kK>& ring, stage_info info) {
+  const kernel_params& p = hp.p;
   constexpr int kS = tiles<kD, kC, kK>::kTileK / 2;  // accumulator floats of S per thread
   constexpr int kO = kD / 2;                         // accumulator floats of O per thread
   const fragment_coords at(consumer);
@@ -156,7 +182,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     const int s = ring.stage(ring.it);
     float rS[kS];  // (64, kTileK) per warpgroup
     wgmma_fence();
-    qk_product<T, kD, kC, kK>(rS, smem, consumer, s);
+    qk_product<T, kD, kC, kK>(rS, smem, ring.q_slot(), consumer, s);
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rS);
@@ -176,7 +202,7 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     // S_j = Q K_j^T, then O += P_{j-1} V_{j-1} behind it; wait for S_j alone.
     float rS[kS];
     wgmma_fence();
-    qk_product<T, kD, kC, kK>(rS, smem, consumer, s);
+    qk_product<T, kD, kC, kK>(rS, smem, ring.q_slot(), consumer, s);
     wgmma_commit();
     issue_pv(prev);
     wgmma_commit();
@@ -209,19 +235,20 @@ __device__ void consume_overlapped(const kernel_params& p, const tile_work& w, i
     // The item's rows formed afresh from its number (the closing stage carries it), so that
     // the 240 registers of a wide tile's loop do not also hold the rows' end across it.
     const tile_work rows = work_tile<tiles<kD, kC, kK>::kTileQ>(p, opaque(info.work));
-    store_rows<T>(p, rows, at, rO, softmax, ring.nonfinite_flag());
+    store_item<T>(hp, smem, consumer, rows, at, rO, softmax, ring.nonfinite_flag());
   } else {
-    store_rows<T>(p, w, at, rO, softmax, ring.nonfinite_flag());
+    store_item<T>(hp, smem, consumer, w, at, rO, softmax, ring.nonfinite_flag());
   }
 }
 
 // One work item, the products in sequence: S_j, its softmax, then P_j V_j, each waited for
 // before the next step (the two consumer warpgroups overlap each other by scheduling). On entry
 // stage ring.it holds the item's first tile (`info`) and Q has arrived.
-template <class T, int kD, int kC, int kK>
-__device__ void consume_serial(const kernel_params& p, const tile_work& w, int consumer,
+template <class T, int kD, int kC, int kK, class Params>
+__device__ void consume_serial(const Params& hp, const tile_work& w, int consumer,
                                const shared_tiles<kD, kC, kK>& smem, block_ring<kD, kC, kK>& ring,
                                stage_info info) {
+  const kernel_params& p = hp.p;
   constexpr int kS = tiles<kD, kC, kK>::kTileK / 2;  // accumulator floats of S per thread
   constexpr int kO = kD / 2;                         // accumulator floats of O per thread
   const fragment_coords at(consumer);
@@ -235,7 +262,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
     // S = Q K^T
     float rS[kS];  // (64, kTileK) per warpgroup
     wgmma_fence();
-    qk_product<T, kD, kC, kK>(rS, smem, consumer, s);
+    qk_product<T, kD, kC, kK>(rS, smem, ring.q_slot(), consumer, s);
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands(rS);
@@ -262,7 +289,7 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
   }
   ring.release_q();
   ring.release(ring.stage(ring.it++));  // the stage that closed the item
-  store_rows<T>(p, w, at, rO, softmax, ring.nonfinite_flag());
+  store_item<T>(hp, smem, consumer, w, at, rO, softmax, ring.nonfinite_flag());
 }
 
 // A consumer warpgroup's loop over the block's work items, each in the loop for head dim kD:
@@ -272,11 +299,15 @@ __device__ void consume_serial(const kernel_params& p, const tile_work& w, int c
 // for Q (none is loaded for it).
 //
 // With `nonfinite_flags` set, each consumer warp writes its word of them when the block's work
-// is done: flags[block * 4 kC + warp] = 1 when a value it stored was NaN or inf, else 0.
-template <class T, int kD, int kC, int kK>
-__device__ void consume(const kernel_params& p, int consumer, const shared_tiles<kD, kC, kK>& smem,
-                        block_barriers<kD, kC, kK>& bar, std::uint32_t* nonfinite_flags) {
+// is done: flags[block * 4 kC + warp] = 1 when a value it stored was NaN or inf, else 0. With
+// hp.o_tma (where the block stages O: tiles.cuh's kStageO) the epilogues store O by TMA
+// (store_item). Params: p, nonfinite_flags, o_tma and o_map (hopper.cu's hopper_params).
+template <class T, int kD, int kC, int kK, class Params>
+__device__ void consume(const Params& hp, int consumer, const shared_tiles<kD, kC, kK>& smem,
+                        block_barriers<kD, kC, kK>& bar) {
   using t = tiles<kD, kC, kK>;
+  const kernel_params& p = hp.p;
+  std::uint32_t* const nonfinite_flags = hp.nonfinite_flags;
   block_ring<kD, kC, kK> ring{bar};
   for (;;) {
     const stage_info first = ring.next();
@@ -284,6 +315,7 @@ __device__ void consume(const kernel_params& p, int consumer, const shared_tiles
       if (nonfinite_flags != nullptr && threadIdx.x % 32 == 0) {  // the lane that set it
         nonfinite_flags[blockIdx.x * (4 * kC) + threadIdx.x / 32 - 4] = ring.nonfinite_flag();
       }
+      if (t::kStageO && hp.o_tma) finish_staged_stores();
       return;
     }
     const tile_work w = work_tile<t::kTileQ>(p, first.work);
@@ -291,14 +323,15 @@ __device__ void consume(const kernel_params& p, int consumer, const shared_tiles
       ring.release(ring.stage(ring.it++));
       fragment_softmax none;
       float zero[kD / 2] = {};
-      store_rows<T>(p, w, fragment_coords(consumer), zero, none, ring.nonfinite_flag());
+      store_item<T>(hp, smem, consumer, w, fragment_coords(consumer), zero, none,
+                    ring.nonfinite_flag());
       continue;
     }
     ring.wait_q();
     if constexpr (t::kOverlap) {
-      consume_overlapped<T, kD, kC, kK>(p, w, consumer, smem, ring, first);
+      consume_overlapped<T, kD, kC, kK>(hp, w, consumer, smem, ring, first);
     } else {
-      consume_serial<T, kD, kC, kK>(p, w, consumer, smem, ring, first);
+      consume_serial<T, kD, kC, kK>(hp, w, consumer, smem, ring, first);
     }
   }
 }

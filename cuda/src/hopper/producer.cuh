@@ -46,8 +46,8 @@ __device__ void load_v_rows_zero_tail(unsigned char* s_v, const kernel_params& p
   }
 }
 
-// The producer warp's loop over the block's work items: for each, Q once (after the consumers
-// have read the previous item's Q), then each visible key tile's K and V into the next free
+// The producer warp's loop over the block's work items: for each, Q once (into a buffer the
+// consumers are done with), then each visible key tile's K and V into the next free
 // stage, then the item's closing stage; after the last item, the block's closing stage. The
 // stage ring and its phases run on across items.
 // The producer's counts: stages filled and Q tiles loaded so far, across work items.
@@ -59,22 +59,23 @@ struct producer_counts {
 // The next stage, once the consumers have released its K (or, without kSplit, the whole
 // stage); wait_v waits for its V where the consumers release V apart, after the P V that
 // follows S = Q K^T.
-template <int kStages, int kC, bool kSplit>
-__device__ __forceinline__ int next_stage(barriers<kStages, kC, kSplit>& bar, int it) {
+template <int kStages, int kC, bool kSplit, int kQ>
+__device__ __forceinline__ int next_stage(barriers<kStages, kC, kSplit, kQ>& bar, int it) {
   const int s = it % kStages;
   mbar_wait(&bar.k_empty[s], ((it / kStages) & 1) ^ 1);
   return s;
 }
-template <int kStages, int kC, bool kSplit>
-__device__ __forceinline__ void wait_v(barriers<kStages, kC, kSplit>& bar, int it) {
+template <int kStages, int kC, bool kSplit, int kQ>
+__device__ __forceinline__ void wait_v(barriers<kStages, kC, kSplit, kQ>& bar, int it) {
   if constexpr (kSplit) mbar_wait(&bar.v_empty[it % kStages], ((it / kStages) & 1) ^ 1);
 }
 
 // A stage without a tile: it closes work item `work`, or the block's items (kNoMoreWork).
 // Both of the stage's full barriers complete a phase, as for a tile, so that their phases stay
 // in step with the ring's count when the slot is used again (no consumer waits on v_full here).
-template <int kStages, int kC, bool kSplit>
-__device__ __forceinline__ void close_stage(barriers<kStages, kC, kSplit>& bar, int it, int work) {
+template <int kStages, int kC, bool kSplit, int kQ>
+__device__ __forceinline__ void close_stage(barriers<kStages, kC, kSplit, kQ>& bar, int it,
+                                            int work) {
   const int s = next_stage(bar, it);
   wait_v(bar, it);
   if (threadIdx.x % 32 == 0) {
@@ -84,7 +85,7 @@ __device__ __forceinline__ void close_stage(barriers<kStages, kC, kSplit>& bar, 
   }
 }
 
-// One work item: Q once (after the consumers have read the previous item's Q), then each
+// One work item: Q once (into a buffer the consumers are done with), then each
 // visible key tile's K and V into the next free stage, then the stage that closes the item.
 template <class T, int kD, int kC, int kK, class Params>
 __device__ __forceinline__ producer_counts produce_item(const Params& hp, unsigned char* raw,
@@ -104,10 +105,13 @@ __device__ __forceinline__ producer_counts produce_item(const Params& hp, unsign
   bool full = false;
   bool have = walker.next(tile, full);
   if (have) {
-    mbar_wait(&bar.q_empty, (n.q_loads & 1) ^ 1);  // the consumers are done with the last Q
+    // The consumers are done with the Q that this buffer held (t::kQStages items ago).
+    const int slot = n.q_loads % t::kQStages;
+    mbar_wait(&bar.q_empty[slot], ((n.q_loads / t::kQStages) & 1) ^ 1);
     if (leader) {
-      mbar_arrive_expect_tx(&bar.q_full, t::kQBytes);
-      tma_load_tile<kD, t::kQBoxBytes>(smem.q, &maps.q, w.q0, w.h, w.b, &bar.q_full);
+      mbar_arrive_expect_tx(&bar.q_full[slot], t::kQBytes);
+      tma_load_tile<kD, t::kQBoxBytes>(smem.q_stage(slot), &maps.q, w.q0, w.h, w.b,
+                                       &bar.q_full[slot]);
     }
     ++n.q_loads;
   }

@@ -68,6 +68,25 @@ __device__ __forceinline__ void tma_load_4d(void* s_dst, const CUtensorMap* map,
       "r"(smem_addr(bar))
       : "memory");
 }
+// Shared memory (a box in the map's layout) to the box at coordinates (c0, c1, c2, c3) of a 4-d
+// tensor map, in a bulk group (bulk_commit, bulk_wait_read below); the parts of the box past
+// the tensor's extent are not written.
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* s_src, int c0,
+                                             int c1, int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          reinterpret_cast<std::uint64_t>(map)),
+      "r"(smem_addr(s_src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+// Four 8 x 8 matrices of 16-bit elements from the warp's registers to shared memory: lane t
+// gives the address of row t % 8 of matrix t / 8, and x[m] is the lane's pair of matrix m (row
+// lane / 4, columns 2 (lane % 4) and 2 (lane % 4) + 1), as an accumulator fragment holds it.
+__device__ __forceinline__ void stmatrix_x4(std::uint32_t addr, const std::uint32_t (&x)[4]) {
+  asm volatile("stmatrix.sync.aligned.x4.m8n8.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr),
+               "r"(x[0]), "r"(x[1]), "r"(x[2]), "r"(x[3])
+               : "memory");
+}
 __device__ __forceinline__ void tma_prefetch_map(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<std::uint64_t>(map)) : "memory");
 }

@@ -83,12 +83,12 @@ struct key_tiles {
   static constexpr int kBoxes = kD / kBoxCols;
   // The consumers overlap one tile's P V with the next tile's softmax at D = 128 (consumer.cuh),
   // holding tile j's K and tile j - 1's V at once; K and V are released apart (barriers), so
-  // that 2 stages still let the producer load a tile ahead. 3 stages at D = 128 with 128 keys
-  // (225 KiB with Q), 2 with 176 (209 KiB). D = 64 runs in sequence, 3 stages; D = 256 in
-  // sequence with 2 (225 KiB with Q at 80 keys).
+  // that 2 stages still let the producer load a tile ahead: 2 stages at D = 128 (193 KiB with
+  // two Q buffers at 128 keys, 209 KiB with one at 176). D = 64 runs in sequence, 3 stages;
+  // D = 256 in sequence with 2 (225 KiB with Q at 80 keys).
   static constexpr int kTileK = kK;  // keys per tile
   static constexpr bool kOverlap = kD == 128;
-  static constexpr int kStages = kD == 256 || kK > 128 ? 2 : 3;
+  static constexpr int kStages = kD == 64 ? 3 : 2;
   // K and V of a stage released apart (barriers) where the overlap runs in 2 stages; elsewhere
   // a stage is released whole, which the third stage makes room for (and which takes fewer
   // registers: the split, measured at 128 keys, spilled the D = 64 and 256 consumers).
@@ -97,17 +97,31 @@ struct key_tiles {
   static constexpr int kKVBytes = kBoxes * kKVBoxBytes;  // one of K or V, one stage
 };
 
-// The whole block: Q of kC consumers beside the key side.
+// The whole block: Q of kC consumers beside the key side, in two buffers where they fit beside
+// the stages (D = 64, and D = 128 with 128-key tiles): the producer then loads the next work
+// item's Q while the consumers still read this one's, instead of after their last S = Q K^T,
+// and the next item's first K and V tiles no longer queue behind that wait.
 template <int kD, int kC, int kK>
 struct tiles : key_tiles<kD, kK> {
   using keys = key_tiles<kD, kK>;
   static constexpr int kTileQ = block_shape<kC, kK>::kTileQ;
   static constexpr int kQBoxBytes = kTileQ * 128;  // (kTileQ, 64) 16-bit elements
   static constexpr int kQBytes = keys::kBoxes * kQBoxBytes;
-  // Dynamic shared memory, with room to align the base to an atom.
-  static constexpr int kSmemBytes = kQBytes + 2 * keys::kStages * keys::kKVBytes + kAtomBytes;
+  static constexpr int kQStages = kC == 2 && kK <= 128 && kD <= 128 ? 2 : 1;
   // sm_90's 227 KiB per block, less a little for the barriers' static shared memory.
-  static_assert(kSmemBytes <= 227 * 1024 - 512, "the tiles fit one block's shared memory");
+  static constexpr int kMaxSmemBytes = 227 * 1024 - 512;
+  // Q, K and V, with room to align the base to an atom.
+  static constexpr int kInputBytes =
+      kQStages * kQBytes + 2 * keys::kStages * keys::kKVBytes + kAtomBytes;
+  // O of the block in 16 bits, staged for its TMA store (epilogue.cuh's store_rows_staged) where
+  // it fits beside them: D = 64 and D = 128 with 128-key tiles. Each consumer's 64 rows are
+  // kBoxes boxes of (64, 64) in the 128-byte swizzle layout, as Q's.
+  static constexpr int kOBoxBytes = kRowsPerConsumer * 128;
+  static constexpr int kOBytes = kC * keys::kBoxes * kOBoxBytes;
+  static constexpr bool kStageO = kC == 2 && kInputBytes + kOBytes <= kMaxSmemBytes;
+  // Dynamic shared memory.
+  static constexpr int kSmemBytes = kInputBytes + (kStageO ? kOBytes : 0);
+  static_assert(kSmemBytes <= kMaxSmemBytes, "the tiles fit one block's shared memory");
 };
 
 // A (rows, kD) tile at row `row` of head h, batch b of a (D, L, H, B) tensor map: its kD / 64
@@ -161,25 +175,31 @@ __device__ __forceinline__ Info read_stage_slot(const Info& slot) {
 template <int kD, int kC, int kK>
 struct shared_tiles {
   using t = tiles<kD, kC, kK>;
-  unsigned char* q;  // (kTileQ, kD) as kBoxes boxes
+  unsigned char* q;  // (kQStages, kTileQ, kD), each as kBoxes boxes
   unsigned char* k;  // (kStages, kTileK, kD)
-  unsigned char* v;  // (kStages, kTileK, kD)
+  unsigned char* v;  // (kStages, kTileK, kD), then with t::kStageO O's (kC, kBoxes, 64, 64)
 
   __device__ explicit shared_tiles(unsigned char* raw) {
     const std::uint32_t base = smem_addr(raw);
     unsigned char* aligned = raw + ((kAtomBytes - base % kAtomBytes) % kAtomBytes);
     q = aligned;
-    k = q + t::kQBytes;
+    k = q + t::kQStages * t::kQBytes;
     v = k + t::kStages * t::kKVBytes;
   }
+  // Consumer warpgroup wg's O staging, its kBoxes boxes one after another.
+  __device__ unsigned char* o_rows(int wg) const {
+    return v + t::kStages * t::kKVBytes + wg * t::kBoxes * t::kOBoxBytes;
+  }
+  __device__ unsigned char* q_stage(int slot) const { return q + slot * t::kQBytes; }
   __device__ unsigned char* k_stage(int s) const { return k + s * t::kKVBytes; }
   __device__ unsigned char* v_stage(int s) const { return v + s * t::kKVBytes; }
 
-  // Q rows of consumer warpgroup `wg`, k-step `ks` (16 columns of the head dim).
-  __device__ std::uint64_t q_desc(int wg, int ks) const {
-    return sw128_desc(
-        smem_addr(q) + (ks / 4) * t::kQBoxBytes + wg * kRowsPerConsumer * 128 + (ks % 4) * 32, 16,
-        kAtomBytes);
+  // Q rows of consumer warpgroup `wg` in Q buffer `slot`, k-step `ks` (16 columns of the head
+  // dim).
+  __device__ std::uint64_t q_desc(int slot, int wg, int ks) const {
+    return sw128_desc(smem_addr(q_stage(slot)) + (ks / 4) * t::kQBoxBytes +
+                          wg * kRowsPerConsumer * 128 + (ks % 4) * 32,
+                      16, kAtomBytes);
   }
   // q_desc(wg, ks) - q_desc(wg, 0): the start field's offset (shared memory lies below
   // 256 KiB, so the sum never carries out of that field).
@@ -197,11 +217,12 @@ struct shared_tiles {
   }
 };
 
-template <int kStages, int kC, bool kSplit>
+template <int kStages, int kC, bool kSplit, int kQ>
 struct barriers {
   static constexpr bool kSplitRelease = kSplit;
-  std::uint64_t q_full;
-  std::uint64_t q_empty;  // one arrival per consumer warp: Q of the current item is read
+  static constexpr int kQStages = kQ;
+  std::uint64_t q_full[kQ];
+  std::uint64_t q_empty[kQ];  // one arrival per consumer warp: Q of the buffer's item is read
   std::uint64_t k_full[kStages];
   std::uint64_t v_full[kStages];
   // One arrival per consumer warp: with kSplit, K of the stage is read (after S = Q K^T) on
@@ -216,8 +237,10 @@ struct barriers {
   __device__ void init() {
     for (int w = 0; w < 4 * kC; ++w)
       nonfinite[w] = 0;
-    mbar_init(&q_full, 1);
-    mbar_init(&q_empty, 4 * kC);
+    for (int b = 0; b < kQ; ++b) {
+      mbar_init(&q_full[b], 1);
+      mbar_init(&q_empty[b], 4 * kC);
+    }
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], 1);
       mbar_init(&v_full[s], 1);
@@ -230,6 +253,7 @@ struct barriers {
 
 // The barriers of the block for (kD, kC, kK).
 template <int kD, int kC, int kK>
-using block_barriers = barriers<tiles<kD, kC, kK>::kStages, kC, tiles<kD, kC, kK>::kSplitRelease>;
+using block_barriers = barriers<tiles<kD, kC, kK>::kStages, kC, tiles<kD, kC, kK>::kSplitRelease,
+                                tiles<kD, kC, kK>::kQStages>;
 
 }  // namespace flashref::cuda::detail::sm90
