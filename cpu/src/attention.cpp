@@ -25,6 +25,7 @@
 #include "flashref/cpu/half.hpp"
 #include "flashref/reference/limits.hpp"
 #include "flashref/reference/merge.hpp"
+#include "kept_buffer.hpp"
 #include "kernel.hpp"
 
 namespace flashref::cpu {
@@ -40,52 +41,6 @@ using detail::out_rows;
 using detail::table_of;
 using detail::thread_workspace;
 using detail::work_item;
-
-// The bf16 paths' packed K and Vᵀ (tens of MB), kept from one call to the next: a fresh
-// allocation has the operating system zero each of its pages on first touch, which measured
-// 14 % of a bf16 block-sparse call (D = 128, L = 4096, 16 heads, density 0.05, AMX, 2 threads)
-// and about 4 % of a dense one. One buffer is kept, the last one handed back that is no larger
-// than kMaxKeptBytes; a call that finds it taken by another thread, or too small, allocates
-// its own. Its contents never matter: prepack writes every element it reads, padding included.
-class kept_pack_buffer {
- public:
-  static constexpr std::size_t kMaxKeptBytes = std::size_t(512) << 20;
-  struct buffer {
-    std::unique_ptr<std::uint16_t, free_deleter> data;
-    std::size_t elements = 0;
-  };
-
-  static kept_pack_buffer& instance() {
-    static kept_pack_buffer kept;
-    return kept;
-  }
-  // A buffer of at least n elements.
-  buffer take(std::size_t n) {
-    {
-      const std::lock_guard<std::mutex> lock(m_);
-      if (kept_.data != nullptr && kept_.elements >= n) return std::move(kept_);
-    }
-    buffer b;
-    b.data.reset(large_buffer<std::uint16_t>(n));
-    b.elements = n;
-    return b;
-  }
-  void give_back(buffer b) {
-    if (b.data == nullptr || b.elements * sizeof(std::uint16_t) > kMaxKeptBytes) return;
-    const std::lock_guard<std::mutex> lock(m_);
-    if (kept_.data == nullptr || b.elements >= kept_.elements) kept_ = std::move(b);
-  }
-
- private:
-  std::mutex m_;
-  buffer kept_;
-};
-
-// Hands a taken buffer back when the call ends, by return or by exception.
-struct pack_buffer_lease {
-  kept_pack_buffer::buffer b;
-  ~pack_buffer_lease() { kept_pack_buffer::instance().give_back(std::move(b)); }
-};
 
 // Split-KV: decode-like shapes have too few (batch, head, query tile) items to keep many
 // cores busy, so their keys are cut into chunks whose partial results (O, LSE) are merged
@@ -433,11 +388,11 @@ void run(const attention_problem& p, const storage_of& st, const options& opt) {
   ctx.tq = pl.tile_q;
   ctx.tk = pl.tile_k;
   // The bf16 kernels read K and Vᵀ in bfloat16, packed once here for every query tile, into
-  // one buffer kept between calls (kept_pack_buffer). It is left uninitialised: prepack writes
+  // one buffer kept between calls (kept_buffer.hpp). It is left uninitialised: prepack writes
   // every element of each head, padding included, in the parallel region, so that a fresh
   // buffer's pages are first touched (and zeroed by the operating system) by many threads
   // rather than by a serial value-initialisation of tens of MB.
-  pack_buffer_lease packed;
+  detail::kept_lease packed;
   std::unique_ptr<std::uint8_t[]> v_bad;
   const std::int64_t heads_kv = B * p.heads_k();
   if (ctx.bf16_dot) {
@@ -445,11 +400,11 @@ void run(const attention_problem& p, const storage_of& st, const options& opt) {
     ctx.Dvp = ceil_div(Dv, detail::kDotRow) * detail::kDotRow;    // whole result tiles
     ctx.Lkp = (ceil_div(Lk, detail::kDotK) + 1) * detail::kDotK;  // room for rounded-up reads
     const std::size_t kb_elements = std::size_t(heads_kv * ctx.Lkp * ctx.Dkp);
-    packed.b =
-        kept_pack_buffer::instance().take(kb_elements + std::size_t(heads_kv * ctx.Dvp * ctx.Lkp));
+    packed = detail::kept_lease((kb_elements + std::size_t(heads_kv * ctx.Dvp * ctx.Lkp)) *
+                                sizeof(std::uint16_t));
     v_bad.reset(new std::uint8_t[std::size_t(heads_kv * ctx.Lkp / detail::kDotK)]);
-    ctx.kb = packed.b.data.get();
-    ctx.vt = packed.b.data.get() + kb_elements;
+    ctx.kb = packed.as<std::uint16_t>();
+    ctx.vt = packed.as<std::uint16_t>() + kb_elements;
     ctx.v_bad = v_bad.get();
   }
 

@@ -10,6 +10,7 @@
 #include <string>
 #include <vector>
 
+#include "kept_buffer.hpp"
 #include "kernel.hpp"
 
 namespace flashref::cpu {
@@ -80,12 +81,14 @@ void attention_backward(const attention_problem& p, const attention_gradients& g
 
   const std::int64_t rows = B * Hq * Lq;
   const std::int64_t items = B * Hk * pl.chunks;
-  // Delta (B, Hq, Lq) and the partial dQs (chunks, B, Hq, Lq, dq_ld); each item zeroes its own
-  // slice of the latter, so that no thread writes what another one reads.
+  // Delta (B, Hq, Lq) and the partial dQs (chunks, B, Hq, Lq, dq_ld), the latter in the buffer
+  // kept between calls (kept_buffer.hpp: hundreds of MB at L = 4096, whose fresh pages the
+  // system would zero); each item zeroes its own slice of it, so that no thread writes what
+  // another one reads.
   std::vector<float> delta(static_cast<std::size_t>(rows));
-  std::unique_ptr<float[]> dq_part(new float[std::size_t(pl.chunks * rows * bc.dq_ld)]);
+  const detail::kept_lease dq_part(std::size_t(pl.chunks * rows * bc.dq_ld) * sizeof(float));
   bc.delta = delta.data();
-  bc.dq_part = dq_part.get();
+  bc.dq_part = dq_part.as<float>();
 
   const std::size_t ws_floats = kt.backward_workspace_floats(bc);
   const std::size_t ws_bytes = (ws_floats * sizeof(float) + 63) / 64 * 64 + 64;
@@ -125,7 +128,7 @@ void attention_backward(const attention_problem& p, const attention_gradients& g
 #pragma omp for schedule(static)
     for (std::int64_t row = 0; row < rows; ++row) {
       const std::int64_t i = row % Lq, h = row / Lq % Hq, b = row / (Lq * Hq);
-      const float* part = dq_part.get() + row * bc.dq_ld;
+      const float* part = bc.dq_part + row * bc.dq_ld;
       for (std::int64_t d = 0; d < D; ++d) {
         float s = part[d];
         for (std::int64_t c = 1; c < pl.chunks; ++c)
