@@ -83,9 +83,9 @@ struct key_tiles {
   static constexpr int kBoxes = kD / kBoxCols;
   // The consumers overlap one tile's P V with the next tile's softmax at D = 128 (consumer.cuh),
   // holding tile j's K and tile j - 1's V at once; K and V are released apart (barriers), so
-  // that 2 stages still let the producer load a tile ahead: 2 stages at D = 128 (193 KiB with
-  // two Q buffers at 128 keys, 209 KiB with one at 176). D = 64 runs in sequence, 3 stages;
-  // D = 256 in sequence with 2 (225 KiB with Q at 80 keys).
+  // that 2 stages still let the producer load a tile ahead: 2 stages at D = 128 (225 KiB with
+  // two Q buffers and the staged O at 128 keys, 209 KiB with one Q at 176). D = 64 runs in
+  // sequence, 3 stages; D = 256 in sequence with 2 (225 KiB with Q at 80 keys).
   static constexpr int kTileK = kK;  // keys per tile
   static constexpr bool kOverlap = kD == 128;
   static constexpr int kStages = kD == 64 ? 3 : 2;
@@ -98,7 +98,8 @@ struct key_tiles {
 };
 
 // The whole block: Q of kC consumers beside the key side, in two buffers where they fit beside
-// the stages (D = 64, and D = 128 with 128-key tiles): the producer then loads the next work
+// the stages (the two-consumer blocks at D = 64 and at D = 128 with 128-key tiles; the
+// three-consumer block's consumers have no registers for it): the producer then loads the next work
 // item's Q while the consumers still read this one's, instead of after their last S = Q K^T,
 // and the next item's first K and V tiles no longer queue behind that wait.
 template <int kD, int kC, int kK>
@@ -114,7 +115,8 @@ struct tiles : key_tiles<kD, kK> {
   static constexpr int kInputBytes =
       kQStages * kQBytes + 2 * keys::kStages * keys::kKVBytes + kAtomBytes;
   // O of the block in 16 bits, staged for its TMA store (epilogue.cuh's store_rows_staged) where
-  // it fits beside them: D = 64 and D = 128 with 128-key tiles. Each consumer's 64 rows are
+  // it fits beside them in a two-consumer block: D = 64, and D = 128 with 128-key tiles (the
+  // three-consumer block's consumers spilled with it). Each consumer's 64 rows are
   // kBoxes boxes of (64, 64) in the 128-byte swizzle layout, as Q's.
   static constexpr int kOBoxBytes = kRowsPerConsumer * 128;
   static constexpr int kOBytes = kC * keys::kBoxes * kOBoxBytes;
