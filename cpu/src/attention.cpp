@@ -9,7 +9,6 @@
 #include <chrono>
 #include <cstdlib>
 #include <memory>
-#include <mutex>
 #include <string>
 #include <vector>
 
@@ -36,7 +35,6 @@ using detail::context;
 using detail::denormals_as_zero;
 using detail::free_deleter;
 using detail::kernel_table;
-using detail::large_buffer;
 using detail::out_rows;
 using detail::table_of;
 using detail::thread_workspace;

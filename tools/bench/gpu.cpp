@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstddef>
 #include <cstring>
 #include <iomanip>
 #include <memory>
@@ -180,54 +181,56 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
 
     // The median of event-timed runs of `launch` (two warm-up runs set the repetitions). The
     // events enclose the host's part of the call too (checks, tensor maps, launches: the GPU
-    // waits for them), so `host_s` keeps the median wall time until the call returned.
+    // waits for them), so `host_s` keeps the median wall time until a single call returned.
     int reps = 0;
     double host_s = 0;
+    const auto median = [](std::vector<double>& xs) {
+      std::nth_element(xs.begin(), xs.begin() + std::ptrdiff_t(xs.size() / 2), xs.end());
+      return xs[xs.size() / 2];
+    };
     const auto median_time = [&](const auto& launch) {
       std::vector<double> host_times;
-      const auto run_once = [&]() {
+      // Seconds per call of `calls` calls between one pair of events.
+      const auto timed = [&](int calls) {
         check(cudaEventRecord(start, nullptr), "cudaEventRecord");
         const auto t0 = std::chrono::steady_clock::now();
-        launch();
-        host_times.push_back(
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        for (int c = 0; c < calls; ++c)
+          launch();
+        if (calls == 1) {
+          host_times.push_back(
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+        }
         check(cudaEventRecord(stop, nullptr), "cudaEventRecord");
         check(cudaEventSynchronize(stop), "attention kernel");
         float ms = 0;
         check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-        return double(ms) * 1e-3;
+        return double(ms) * 1e-3 / calls;
       };
-      double first = run_once();
-      first = std::min(first, run_once());
+      double first = timed(1);
+      first = std::min(first, timed(1));
       reps = int(std::clamp(opt.seconds_per_point / std::max(first, 1e-7), 5.0, 200.0));
       std::vector<double> times;
       if (opt.back_to_back) {
-        // Five runs of `calls` calls each between one pair of events: the time per call of a
-        // stream of calls, the host's part overlapping the kernels before it.
+        // Five runs of `calls` calls each: the time per call of a stream of calls, the host's
+        // part overlapping the kernels before it.
         const int calls = std::clamp(reps / 5, 5, 100);
-        run_once();  // a third single call: three host times for their median
-        for (int run = 0; run < 5; ++run) {
-          check(cudaEventRecord(start, nullptr), "cudaEventRecord");
-          for (int c = 0; c < calls; ++c)
-            launch();
-          check(cudaEventRecord(stop, nullptr), "cudaEventRecord");
-          check(cudaEventSynchronize(stop), "attention kernel");
-          float ms = 0;
-          check(cudaEventElapsedTime(&ms, start, stop), "cudaEventElapsedTime");
-          times.push_back(double(ms) * 1e-3 / calls);
-        }
+        timed(1);  // a third single call: three host times for their median
+        for (int run = 0; run < 5; ++run)
+          times.push_back(timed(calls));
         reps = 5 * calls;
-        std::nth_element(host_times.begin(), host_times.begin() + 1, host_times.end());
-        host_s = host_times[1];  // of the three runs above
-        std::nth_element(times.begin(), times.begin() + 2, times.end());
-        return times[2];
+      } else {
+        for (int i = 0; i < reps; ++i)
+          times.push_back(timed(1));
       }
-      for (int i = 0; i < reps; ++i)
-        times.push_back(run_once());
-      std::nth_element(times.begin(), times.begin() + reps / 2, times.end());
-      std::nth_element(host_times.begin(), host_times.begin() + reps / 2, host_times.end());
-      host_s = host_times[std::size_t(reps / 2)];
-      return times[std::size_t(reps / 2)];
+      host_s = median(host_times);
+      return median(times);
+    };
+    // The note of a record: repetitions, kernel and host part.
+    const auto note_of = [&](const std::string& kernel, double host_part_s) {
+      std::ostringstream note;
+      note << "reps=" << reps << " kernel=" << kernel << " host_us=" << std::fixed
+           << std::setprecision(1) << host_part_s * 1e6;
+      return note.str();
     };
     check(cudaMemset(o.get(), 0xff, n * 2), "cudaMemset");  // NaN: unwritten rows show
     r.median_s = median_time([&] { cuda::attention(dp, nullptr); });
@@ -255,10 +258,7 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
       r.empty_rows += empty ? 1 : 0;
       r.empty_rows_bad += (empty && nonzero) ? 1 : 0;
     }
-    std::ostringstream note;
-    note << "reps=" << reps << " kernel=" << r.kernel << " host_us=" << std::fixed
-         << std::setprecision(1) << r.host_s * 1e6;
-    r.note = note.str();
+    r.note = note_of(r.kernel, r.host_s);
     print_row(table, r, "forward");
     results.push_back(r);
     if (opt.backward) {
@@ -302,11 +302,7 @@ std::vector<bench_record> run_grid(const gpu_bench_options& opt, std::FILE* tabl
           w.empty_rows_bad += (g == d_q.get() && empty && nonzero) ? 1 : 0;
         }
       }
-      std::ostringstream bnote;
-      bnote << "reps=" << reps << " kernel=" << w.kernel << " host_us=" << std::fixed
-            << std::setprecision(1) << w.host_s * 1e6
-            << (opt.nondeterministic ? " nondeterministic" : "");
-      w.note = bnote.str();
+      w.note = note_of(w.kernel, w.host_s) + (opt.nondeterministic ? " nondeterministic" : "");
       print_row(table, w, "backward");
       results.push_back(std::move(w));
     }
