@@ -279,6 +279,8 @@ plan make_plan(const attention_problem& p, const options& opt) {
     fail("tile_k", "0 (default) .. " + std::to_string(kMaxTile), std::to_string(opt.tile_k));
   if (opt.threads < 0) fail("threads", ">= 0 (0 = default)", std::to_string(opt.threads));
   if (opt.kv_chunk < 0) fail("kv_chunk", ">= 0 (0 = automatic)", std::to_string(opt.kv_chunk));
+  if (opt.backward_chunks < 0)
+    fail("backward_chunks", ">= 0 (0 = automatic)", std::to_string(opt.backward_chunks));
   plan pl;
   pl.used = opt.instruction_set == isa::automatic ? best_isa() : opt.instruction_set;
   if (!supported(pl.used))  // forced on a processor (or build) without it

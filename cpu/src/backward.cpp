@@ -25,7 +25,7 @@ using detail::kernel_table;
 // Key tiles of one (batch, key/value head) are cut into interleaved chunks when there are
 // too few such pairs to keep many cores busy; each chunk adds to its own copy of dQ. The
 // decision reads the shape and the tile sizes only — never the thread count.
-constexpr std::int64_t kMinItems = 32;      // aim for at least this many work items
+constexpr std::int64_t kMinItems = 64;      // aim for at least this many work items
 constexpr std::int64_t kMaxChunks = 8;      // at most this many partial copies of dQ
 constexpr std::int64_t kDefaultTileQ = 64;  // the backward keeps ten tiles per thread in
 constexpr std::int64_t kDefaultTileK = 64;  // cache (Q, dO twice each, K, V, dK, dV, P, dS)
@@ -36,6 +36,12 @@ std::int64_t ceil_div(std::int64_t a, std::int64_t b) {
 
 std::int64_t round_up(std::int64_t a, std::int64_t m) {
   return ceil_div(a, m) * m;
+}
+
+// The first element of row i of (b, h) in a strided 4-d view.
+template <class View>
+auto row_of(const View& t, std::int64_t b, std::int64_t h, std::int64_t i) {
+  return t.data + b * t.stride[0] + h * t.stride[1] + i * t.stride[2];
 }
 
 }  // namespace
@@ -49,7 +55,9 @@ backward_plan make_backward_plan(const attention_problem& p, const options& opt)
   pl.tile_k = opt.tile_k > 0 ? opt.tile_k : kDefaultTileK;
   const std::int64_t pairs = p.batch() * p.heads_k();
   const std::int64_t key_tiles = ceil_div(p.len_k(), pl.tile_k);
-  if (pairs > 0 && key_tiles > 1) {
+  if (opt.backward_chunks > 0) {
+    pl.chunks = std::max<std::int64_t>(1, std::min(opt.backward_chunks, key_tiles));
+  } else if (pairs > 0 && key_tiles > 1) {
     pl.chunks = std::min({ceil_div(kMinItems, pairs), key_tiles, kMaxChunks});
   }
   return pl;
@@ -102,9 +110,12 @@ void attention_backward(const attention_problem& p, const attention_gradients& g
 #pragma omp for schedule(static)
     for (std::int64_t row = 0; row < rows; ++row) {
       const std::int64_t i = row % Lq, h = row / Lq % Hq, b = row / (Lq * Hq);
+      const float* d_o = row_of(g.d_o, b, h, i);
+      const float* o = row_of(p.o, b, h, i);
+      const std::int64_t sd = g.d_o.stride[3], so = p.o.stride[3];
       double s = 0.0;
       for (std::int64_t d = 0; d < Dv; ++d)
-        s += double(g.d_o(b, h, i, d)) * double(p.o(b, h, i, d));
+        s += double(d_o[d * sd]) * double(o[d * so]);
       delta[std::size_t(row)] = float(s);
     }
 
@@ -125,16 +136,24 @@ void attention_backward(const attention_problem& p, const attention_gradients& g
     }
 
     // dQ_i = scale Σ_c dQ_c,i, the chunks summed in order: the same bits on any thread count.
+    // A row's sums run chunk by chunk over all its columns (each column's terms in the same
+    // order as one column at a time), in a buffer of the thread's own.
+    std::vector<float> sum(static_cast<std::size_t>(D));
 #pragma omp for schedule(static)
     for (std::int64_t row = 0; row < rows; ++row) {
       const std::int64_t i = row % Lq, h = row / Lq % Hq, b = row / (Lq * Hq);
       const float* part = bc.dq_part + row * bc.dq_ld;
-      for (std::int64_t d = 0; d < D; ++d) {
-        float s = part[d];
-        for (std::int64_t c = 1; c < pl.chunks; ++c)
-          s += part[c * rows * bc.dq_ld + d];
-        g.dq(b, h, i, d) = ctx.scale * s;
+      float* s = sum.data();
+      std::copy_n(part, D, s);
+      for (std::int64_t c = 1; c < pl.chunks; ++c) {
+        const float* next = part + c * rows * bc.dq_ld;
+        for (std::int64_t d = 0; d < D; ++d)
+          s[d] += next[d];
       }
+      float* dq = row_of(g.dq, b, h, i);
+      const std::int64_t sd = g.dq.stride[3];
+      for (std::int64_t d = 0; d < D; ++d)
+        dq[d * sd] = ctx.scale * s[d];
     }
   }
 }

@@ -110,6 +110,41 @@ TEST_CASE("cpu backward: bitwise identical on 1, 2, 3 and 7 threads",
   }
 }
 
+TEST_CASE("cpu backward: any number of key-tile chunks, each bitwise on any thread count",
+          "[cpu][backward][determinism]") {
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 150, s.Lk = 333, s.D = 40, s.Dv = 24, s.block_q = 16;
+  s.block_k = 24, s.block_density = 0.5, s.causal = causal_mode::bottom_right;
+  problem_data d = random_problem(s, 44);
+  flashref::cpu::attention(d.problem());
+  add_upstream_gradient(d, 44);
+  const std::int64_t key_tiles = (s.Lk + 15) / 16;
+  std::vector<float> first_dq, first_dk, first_dv;
+  for (std::int64_t chunks : {1, 2, 5, 8, 1000}) {
+    CAPTURE(chunks);
+    flashref::cpu::options opt = with_isa(isa::automatic, 16, 16);
+    opt.backward_chunks = chunks;
+    REQUIRE(flashref::cpu::make_backward_plan(d.problem(), opt).chunks ==
+            std::min(chunks, key_tiles));
+    std::vector<float> dq;
+    for (int threads : {1, 3}) {
+      opt.threads = threads;
+      flashref::cpu::attention_backward(d.problem(), d.gradients(), opt);
+      FLASHREF_REQUIRE_GRADIENTS_CONFORM(check_backward_against_naive(d));
+      if (dq.empty())
+        dq = as_vector(d.dq);
+      else
+        REQUIRE(same_bits(as_vector(d.dq), dq));
+    }
+    // dK and dV never depend on the chunks (each key tile is one item's); dQ's sum order does.
+    if (first_dq.empty()) first_dq = dq, first_dk = as_vector(d.dk), first_dv = as_vector(d.dv);
+    REQUIRE(same_bits(as_vector(d.dk), first_dk));
+    REQUIRE(same_bits(as_vector(d.dv), first_dv));
+    for (std::size_t n = 0; n < dq.size(); ++n)
+      REQUIRE(dq[n] == Approx(first_dq[n]).margin(1e-5));
+  }
+}
+
 TEST_CASE("cpu backward: results do not depend on the tile sizes beyond rounding",
           "[cpu][backward]") {
   problem_shape s;
@@ -164,4 +199,8 @@ TEST_CASE("cpu backward: options and tensors are validated", "[cpu][backward]") 
   opt.tile_q = -1;
   REQUIRE_THROWS_WITH(flashref::cpu::attention_backward(d.problem(), d.gradients(), opt),
                       Catch::Contains("tile_q: expected"));
+  opt.tile_q = 0;
+  opt.backward_chunks = -2;
+  REQUIRE_THROWS_WITH(flashref::cpu::attention_backward(d.problem(), d.gradients(), opt),
+                      "backward_chunks: expected >= 0 (0 = automatic), got -2");
 }

@@ -64,6 +64,7 @@ struct bench_options {
   std::uint64_t seed = 2024;
   bool backward = false;                        // also time the CPU backward (SPEC §9)
   std::int64_t bwd_tile_q = 0, bwd_tile_k = 0;  // its tiles; 0 = the backward's defaults
+  std::int64_t bwd_chunks = 0;                  // its key-tile chunks; 0 = from the shape
 };
 
 using clock_type = std::chrono::steady_clock;
@@ -421,6 +422,7 @@ int run_bench(const bench_options& opt) {
   cpu::options bopt = copt;  // the backward: same instruction set, its own tiles
   bopt.tile_q = opt.bwd_tile_q;
   bopt.tile_k = opt.bwd_tile_k;
+  bopt.backward_chunks = opt.bwd_chunks;
   if (opt.memory_check) {
     memory_check(copt, opt.backward ? &bopt : nullptr);
     return 0;
@@ -653,6 +655,8 @@ void add_bench(CLI::App& app, exit_slot status) {
                 "also time the CPU backward (SPEC §9: 2.5 x the forward's FLOPs) at every point");
   cmd->add_option("--bwd-tile-q", opt->bwd_tile_q, "CPU backward query tile (0: its default)");
   cmd->add_option("--bwd-tile-k", opt->bwd_tile_k, "CPU backward key tile (0: its default)");
+  cmd->add_option("--bwd-chunks", opt->bwd_chunks,
+                  "CPU backward key-tile chunks per (batch, kv head) (0: from the shape)");
   cmd->add_flag("!--no-baselines", opt->baselines, "skip peak FMA, copy, OpenBLAS and reference");
   cmd->add_flag("--memory-check", opt->memory_check,
                 "only report peak resident memory for causal L = 8192 ... 32768");

@@ -60,6 +60,10 @@ struct options {
   int threads = 0;            // 0 = OpenMP's default (follows OMP_NUM_THREADS)
   std::int64_t kv_chunk = 0;  // keys per split-KV chunk; 0 = chosen from the shape alone
   half_path half = half_path::automatic;  // bfloat16 / float16 inputs only
+  // The backward's interleaved chunks of key tiles per (batch, key/value head), each adding to
+  // its own copy of dQ (summed in chunk order: the gradients' bits follow this number, never
+  // the thread count); 0 = chosen from the shape alone. The forward ignores it.
+  std::int64_t backward_chunks = 0;
 };
 
 // How a problem will be run: resolved options plus the split-KV decision.
