@@ -399,11 +399,13 @@ void run(const attention_problem& p, const storage_of& st, const options& opt) {
     ctx.Dkp = ceil_div(ctx.D, detail::kDotK) * detail::kDotK;     // whole AMX tile rows
     ctx.Dvp = ceil_div(Dv, detail::kDotRow) * detail::kDotRow;    // whole result tiles
     ctx.Lkp = (ceil_div(Lk, detail::kDotK) + 1) * detail::kDotK;  // room for rounded-up reads
-    const std::size_t kb_elements = std::size_t(heads_kv * ctx.Lkp * ctx.Dkp);
+    // bfloat16 K already is the products' operand, row by row: read where it is.
+    ctx.k_in_place = st.in == detail::storage::bf16 && p.k.stride[3] == 1 && ctx.Dkp == ctx.D;
+    const std::size_t kb_elements = ctx.k_in_place ? 0 : std::size_t(heads_kv * ctx.Lkp * ctx.Dkp);
     packed = detail::kept_lease((kb_elements + std::size_t(heads_kv * ctx.Dvp * ctx.Lkp)) *
                                 sizeof(std::uint16_t));
     v_bad.reset(new std::uint8_t[std::size_t(heads_kv * ctx.Lkp / detail::kDotK)]);
-    ctx.kb = packed.as<std::uint16_t>();
+    ctx.kb = ctx.k_in_place ? nullptr : packed.as<std::uint16_t>();
     ctx.vt = packed.as<std::uint16_t>() + kb_elements;
     ctx.v_bad = v_bad.get();
   }

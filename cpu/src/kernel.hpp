@@ -66,7 +66,11 @@ struct context {
   // Their operands, packed once per call by kernel_table::prepack (kernel_bf16_body.inc):
   // K (B, Hk, Lkp, Dkp) and Vᵀ (B, Hk, Dvp, Lkp) in bfloat16, zero-padded, and per 32 keys
   // whether a value row holds a NaN or ±inf (B, Hk, Lkp / 32).
+  // With k_in_place (bfloat16 storage, unit column stride, D a multiple of 32) K is not
+  // packed: the products read its rows where they are, at the row stride p->k.stride[2], and kb
+  // is null.
   std::uint16_t* kb = nullptr;
+  bool k_in_place = false;
   std::uint16_t* vt = nullptr;
   std::uint8_t* v_bad = nullptr;
   std::int64_t Lkp = 0, Dkp = 0, Dvp = 0;

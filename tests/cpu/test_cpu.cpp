@@ -372,19 +372,27 @@ TEST_CASE("cpu: random half problems on every half path at random tiles", "[cpu]
 TEST_CASE("cpu: 16-bit storage gives the bits of float32 storage holding the same values",
           "[cpu][half]") {
   problem_shape s;
-  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = GENERATE(3, 150), s.Lk = 333, s.D = 40, s.Dv = 24;
-  s.blhd = GENERATE(false, true);
+  // D = 64: bfloat16 K is read in place (unit column stride, D a multiple of 32), and
+  // Lk = 333 ends its last tile inside a 16-row step (its zero-padded copy).
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = GENERATE(3, 150), s.Lk = 333, s.D = GENERATE(40, 64);
+  s.Dv = 24, s.blhd = GENERATE(false, true);
   s.causal = causal_mode::bottom_right, s.block_q = 16, s.block_k = 32, s.block_density = 0.7;
   for (flashref::input_dtype dtype : kHalves) {
     for (half_path h : flashref::cpu::supported_half_paths(dtype)) {
       CAPTURE(s.describe(), flashref::to_string(dtype), flashref::cpu::to_string(h));
+      // A bfloat16 subnormal key element: the products treat it alike, packed or in place.
+      const auto with_subnormal = [dtype](flashref::problem_data& x) {
+        if (dtype == flashref::input_dtype::bfloat16) x.k.data()[3] = std::ldexp(1.0f, -130);
+      };
       flashref::problem_data f = flashref::test::random_problem(s, 90);
       flashref::test::round_inputs(f, dtype);
+      with_subnormal(f);
       flashref::cpu::attention(f.problem(), with_half(h));
       FLASHREF_REQUIRE_CONFORMS(check_against_naive(f, dtype));
 
       flashref::problem_data d = flashref::test::random_problem(s, 90);
       flashref::test::round_inputs(d, dtype);
+      with_subnormal(d);
       const std::vector<std::uint16_t> q = to_bits(d.q, dtype), k = to_bits(d.k, dtype),
                                        v = to_bits(d.v, dtype);
       flashref::cpu::half_problem hp;
