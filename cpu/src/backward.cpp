@@ -38,12 +38,6 @@ std::int64_t round_up(std::int64_t a, std::int64_t m) {
   return ceil_div(a, m) * m;
 }
 
-// The first element of row i of (b, h) in a strided 4-d view.
-template <class View>
-auto row_of(const View& t, std::int64_t b, std::int64_t h, std::int64_t i) {
-  return t.data + b * t.stride[0] + h * t.stride[1] + i * t.stride[2];
-}
-
 }  // namespace
 
 backward_plan make_backward_plan(const attention_problem& p, const options& opt) {
@@ -110,8 +104,8 @@ void attention_backward(const attention_problem& p, const attention_gradients& g
 #pragma omp for schedule(static)
     for (std::int64_t row = 0; row < rows; ++row) {
       const std::int64_t i = row % Lq, h = row / Lq % Hq, b = row / (Lq * Hq);
-      const float* d_o = row_of(g.d_o, b, h, i);
-      const float* o = row_of(p.o, b, h, i);
+      const float* d_o = g.d_o.data + detail::offset_of(g.d_o, b, h, i);
+      const float* o = p.o.data + detail::offset_of(p.o, b, h, i);
       const std::int64_t sd = g.d_o.stride[3], so = p.o.stride[3];
       double s = 0.0;
       for (std::int64_t d = 0; d < Dv; ++d)
@@ -150,7 +144,7 @@ void attention_backward(const attention_problem& p, const attention_gradients& g
         for (std::int64_t d = 0; d < D; ++d)
           s[d] += next[d];
       }
-      float* dq = row_of(g.dq, b, h, i);
+      float* dq = g.dq.data + detail::offset_of(g.dq, b, h, i);
       const std::int64_t sd = g.dq.stride[3];
       for (std::int64_t d = 0; d < D; ++d)
         dq[d * sd] = ctx.scale * s[d];

@@ -80,6 +80,12 @@ struct context {
   std::int64_t tq = 0, tk = 0;  // tile sizes
 };
 
+// The element offset of (b, h, row, 0) in a strided tensor.
+template <class View>
+inline std::int64_t offset_of(const View& t, std::int64_t b, std::int64_t h, std::int64_t row) {
+  return b * t.stride[0] + h * t.stride[1] + row * t.stride[2];
+}
+
 // Query rows [q0, q1) of (b, h) against keys [k0, k1).
 struct work_item {
   std::int64_t b = 0, h = 0, q0 = 0, q1 = 0, k0 = 0, k1 = 0;
