@@ -315,7 +315,17 @@ plan make_plan(const attention_problem& p, const options& opt) {
   pl.tile_k = opt.tile_k > 0 ? opt.tile_k : kt.default_tk;
   // Likewise a key tile wider than the blocks computes every block of it that one row sees: the
   // bf16 paths' 256-key tile (dense work) gives way to their 128-key one there.
-  if (opt.tile_k <= 0 && p.has_block_mask() && p.block_k < pl.tile_k) pl.tile_k = kt.block_tk;
+  pl.step_k = pl.tile_k;
+  if (opt.tile_k <= 0 && p.has_block_mask() && p.block_k < pl.tile_k) {
+    pl.tile_k = kt.block_tk;
+    // The bf16 paths' per-step costs (accᵀ's rescale, loads and stores, the row steps) are what
+    // their wide tile spreads over more keys; a block mask narrows the tile, not the step: the
+    // visible narrow tiles are taken together, up to the wide tile's keys.
+    if (pl.half == half_path::avx512_bf16 || pl.half == half_path::amx)
+      pl.step_k = std::max<std::int64_t>(1, kt.default_tk / pl.tile_k) * pl.tile_k;
+    else
+      pl.step_k = pl.tile_k;
+  }
   pl.threads = opt.threads > 0 ? opt.threads : omp_get_max_threads();
 
   const std::int64_t Lk = p.len_k();
@@ -387,6 +397,7 @@ void run(const attention_problem& p, const storage_of& st, const options& opt) {
   ctx.group = p.group_size();
   ctx.tq = pl.tile_q;
   ctx.tk = pl.tile_k;
+  ctx.tk_step = pl.step_k;
   // The bf16 kernels read K and Vᵀ in bfloat16, packed once here for every query tile, into
   // one buffer kept between calls (kept_buffer.hpp). It is left uninitialised: prepack writes
   // every element of each head, padding included, in the parallel region, so that a fresh
@@ -428,7 +439,7 @@ void run(const attention_problem& p, const storage_of& st, const options& opt) {
   // The element mask of a partial tile: tk rows of the tile kernel's padded stride
   // (round_up(tq, W) + 16 with W <= 16, tile_layout::ldt), or tq rows of the row kernel's keys.
   const std::size_t vis_bytes =
-      std::size_t((ceil_div(pl.tile_k, 16) + 1) * 16 * (ceil_div(pl.tile_q, 16) + 1) * 16);
+      std::size_t((ceil_div(pl.step_k, 16) + 1) * 16 * (ceil_div(pl.tile_q, 16) + 1) * 16);
   const int threads = int(std::min<std::int64_t>(pl.threads, std::max<std::int64_t>(items, 1)));
 
 #pragma omp parallel num_threads(threads)

@@ -56,6 +56,15 @@ constexpr std::int64_t kRowKernelMaxRows = 4;
 constexpr std::int64_t kDotK = 32;
 constexpr std::int64_t kDotRow = 16;
 
+// The columns of Vᵀ that one run of a product step's keys reads (the bf16 kernels' P·V): row c
+// of the run at vt + c * ldv, nk32 keys (a multiple of 32); the runs follow one another in Pv.
+// A step holds at most kMaxKeyRuns of them.
+struct vt_run {
+  const std::uint16_t* vt;
+  std::int64_t ldv, nk32;
+};
+constexpr int kMaxKeyRuns = 8;
+
 struct context {
   const attention_problem* p = nullptr;  // shapes, strides, masks (its q, k, v data: see `in`)
   storage in = storage::f32;
@@ -78,6 +87,7 @@ struct context {
   float scale = 1.0f;
   std::int64_t Lq = 0, Lk = 0, D = 0, Dv = 0, group = 1;
   std::int64_t tq = 0, tk = 0;  // tile sizes
+  std::int64_t tk_step = 0;     // keys per product step of the bf16 kernels (plan::step_k)
 };
 
 // The element offset of (b, h, row, 0) in a strided tensor.

@@ -88,13 +88,12 @@ struct dot {
     }
   }
 
-  // accᵀ rows [0, Dv rounded up to 16) += Vᵀ · Pᵀ over keys [0, nk rounded up to 32).
-  static void pv(std::int64_t nk, std::int64_t nvec, std::int64_t Dv, const std::uint16_t* vt,
-                 std::int64_t ldv, const std::uint16_t* p, std::int64_t ldp, float* acc,
-                 std::int64_t lda) {
+  // accᵀ rows [0, Dv rounded up to 16) += Vᵀ · Pᵀ over the keys of the runs, in order (Pv's
+  // pairs hold them end to end).
+  static void pv(const vt_run* runs, int nr, std::int64_t nvec, std::int64_t Dv,
+                 const std::uint16_t* p, std::int64_t ldp, float* acc, std::int64_t lda) {
     const std::int64_t rows = round_up(Dv, kDotRow), lanes = nvec * W;
-    const std::int64_t nk32 = round_up(nk, kDotK);
-    const long sv = long(ldv * 2), sp = long(ldp * 2), sa = long(lda * 4);  // bytes
+    const long sp = long(ldp * 2), sa = long(lda * 4);  // bytes
     for (std::int64_t c = 0; c < rows; c += 2 * kDotRow) {
       const bool two_c = c + kDotRow < rows;
       for (std::int64_t i = 0; i < lanes; i += 2 * W) {
@@ -103,18 +102,24 @@ struct dot {
         if (two_i) _tile_loadd(1, acc + c * lda + i + W, sa);
         if (two_c) _tile_loadd(2, acc + (c + kDotRow) * lda + i, sa);
         if (two_c && two_i) _tile_loadd(3, acc + (c + kDotRow) * lda + i + W, sa);
-        for (std::int64_t j = 0; j < nk32; j += kDotK) {
-          _tile_loadd(4, vt + c * ldv + j, sv);
-          _tile_loadd(6, p + (j / 2) * ldp + 2 * i, sp);
-          _tile_dpbf16ps(0, 4, 6);
-          if (two_i) {
-            _tile_loadd(7, p + (j / 2) * ldp + 2 * (i + W), sp);
-            _tile_dpbf16ps(1, 4, 7);
-          }
-          if (two_c) {
-            _tile_loadd(5, vt + (c + kDotRow) * ldv + j, sv);
-            _tile_dpbf16ps(2, 5, 6);
-            if (two_i) _tile_dpbf16ps(3, 5, 7);
+        const std::uint16_t* pj = p;  // the run's first pair row
+        for (int r = 0; r < nr; ++r) {
+          const std::uint16_t* vt = runs[r].vt;
+          const std::int64_t ldv = runs[r].ldv;
+          const long sv = long(ldv * 2);
+          for (std::int64_t j = 0; j < runs[r].nk32; j += kDotK, pj += kDotK / 2 * ldp) {
+            _tile_loadd(4, vt + c * ldv + j, sv);
+            _tile_loadd(6, pj + 2 * i, sp);
+            _tile_dpbf16ps(0, 4, 6);
+            if (two_i) {
+              _tile_loadd(7, pj + 2 * (i + W), sp);
+              _tile_dpbf16ps(1, 4, 7);
+            }
+            if (two_c) {
+              _tile_loadd(5, vt + (c + kDotRow) * ldv + j, sv);
+              _tile_dpbf16ps(2, 5, 6);
+              if (two_i) _tile_dpbf16ps(3, 5, 7);
+            }
           }
         }
         _tile_stored(0, acc + c * lda + i, sa);

@@ -71,11 +71,12 @@ inline void qk_block(std::int64_t Dkp, const std::uint16_t* k, std::int64_t ldk,
   }
 }
 
-// accᵀ block (MR value columns, NV·16 queries) += Vᵀ (MR, nk32) · Pᵀ, a pair of keys per
-// instruction.
+// accᵀ block (MR value columns, NV·16 queries) += Vᵀ (MR, keys) · Pᵀ over the keys of the
+// runs in order, a pair of keys per instruction; the accumulators stay in registers across
+// the runs.
 template <int MR, int NV>
-inline void pv_block(std::int64_t nk32, const std::uint16_t* vt, std::int64_t ldv,
-                     const std::uint16_t* pv, std::int64_t ldp, float* acc, std::int64_t lda) {
+inline void pv_block(const vt_run* runs, int nr, std::int64_t c0, const std::uint16_t* pv,
+                     std::int64_t ldp, float* acc, std::int64_t lda) {
   reg c[MR][NV];
   FLASHREF_UNROLL
   for (int r = 0; r < MR; ++r) {
@@ -83,17 +84,22 @@ inline void pv_block(std::int64_t nk32, const std::uint16_t* vt, std::int64_t ld
     for (int u = 0; u < NV; ++u)
       c[r][u] = vec::load(acc + r * lda + u * W);
   }
-  for (std::int64_t j = 0; j < nk32; j += 2) {
-    __m512bh b[NV];
-    FLASHREF_UNROLL
-    for (int u = 0; u < NV; ++u)
-      b[u] = pairs_at(pv + (j / 2) * ldp + u * 2 * W);
-    FLASHREF_UNROLL
-    for (int r = 0; r < MR; ++r) {
-      const __m512bh a = pair_of(vt + r * ldv + j);
+  const std::uint16_t* pj = pv;  // the run's first pair row
+  for (int n = 0; n < nr; ++n) {
+    const std::int64_t ldv = runs[n].ldv;
+    const std::uint16_t* vt = runs[n].vt + c0 * ldv;
+    for (std::int64_t j = 0; j < runs[n].nk32; j += 2, pj += ldp) {
+      __m512bh b[NV];
       FLASHREF_UNROLL
       for (int u = 0; u < NV; ++u)
-        c[r][u] = _mm512_dpbf16_ps(c[r][u], a, b[u]);
+        b[u] = pairs_at(pj + u * 2 * W);
+      FLASHREF_UNROLL
+      for (int r = 0; r < MR; ++r) {
+        const __m512bh a = pair_of(vt + r * ldv + j);
+        FLASHREF_UNROLL
+        for (int u = 0; u < NV; ++u)
+          c[r][u] = _mm512_dpbf16_ps(c[r][u], a, b[u]);
+      }
     }
   }
   FLASHREF_UNROLL
@@ -129,20 +135,16 @@ struct dot {
     }
   }
 
-  static void pv(std::int64_t nk, std::int64_t nvec, std::int64_t Dv, const std::uint16_t* vt,
-                 std::int64_t ldv, const std::uint16_t* p, std::int64_t ldp, float* acc,
-                 std::int64_t lda) {
-    const std::int64_t nk32 = round_up(nk, kDotK);
+  static void pv(const vt_run* runs, int nr, std::int64_t nvec, std::int64_t Dv,
+                 const std::uint16_t* p, std::int64_t ldp, float* acc, std::int64_t lda) {
     for (std::int64_t iv = 0; iv < nvec; iv += NV) {
       with_constant<NV>(int(std::min<std::int64_t>(NV, nvec - iv)), [&](auto nv) {
         std::int64_t c = 0;
         for (; c + MR <= Dv; c += MR)
-          pv_block<MR, nv()>(nk32, vt + c * ldv, ldv, p + iv * 2 * W, ldp, acc + c * lda + iv * W,
-                             lda);
+          pv_block<MR, nv()>(runs, nr, c, p + iv * 2 * W, ldp, acc + c * lda + iv * W, lda);
         if (c < Dv) {
           with_constant<MR - 1>(int(Dv - c), [&](auto mr) {
-            pv_block<mr(), nv()>(nk32, vt + c * ldv, ldv, p + iv * 2 * W, ldp,
-                                 acc + c * lda + iv * W, lda);
+            pv_block<mr(), nv()>(runs, nr, c, p + iv * 2 * W, ldp, acc + c * lda + iv * W, lda);
           });
         }
       });

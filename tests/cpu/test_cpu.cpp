@@ -447,6 +447,38 @@ TEST_CASE("cpu: half paths are bitwise identical on 1, 2, 3 and 7 threads",
   }
 }
 
+TEST_CASE("cpu: the bf16 dot-product paths take a block mask's visible key tiles together",
+          "[cpu][half]") {
+  // 128-key mask blocks narrow these paths' 256-key tile to 128; a product step then holds two
+  // visible tiles, adjacent or not. Lk = 1000 ends in a tile of 104 keys (not a whole 32-key
+  // step: it closes its step, and its Vᵀ and K go through the zero-padded copies), the causal
+  // mask makes the diagonal tiles partial, and kv_len cuts the keys of batch entries.
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 520, s.Lk = 1000, s.D = 64, s.Dv = 48;
+  s.block_q = 128, s.block_k = 128, s.block_density = GENERATE(0.3, 0.7);
+  s.causal = GENERATE(causal_mode::none, causal_mode::bottom_right);
+  s.use_kv_len = GENERATE(false, true);
+  s.blhd = true;
+  for (half_path h : flashref::cpu::supported_half_paths(flashref::input_dtype::bfloat16)) {
+    CAPTURE(s.describe(), flashref::cpu::to_string(h));
+    flashref::problem_data d = flashref::test::random_problem(s, 97);
+    flashref::test::round_inputs(d, flashref::input_dtype::bfloat16);
+    const bool dot = h == half_path::avx512_bf16 || h == half_path::amx;
+    const flashref::cpu::plan pl = flashref::cpu::make_plan(d.problem(), with_half(h));
+    CHECK(pl.step_k == (dot ? 2 * pl.tile_k : pl.tile_k));
+    if (dot) CHECK(pl.tile_k == 128);
+    CHECK(flashref::cpu::make_plan(d.problem(), with_half(h, 0, 128)).step_k == 128);
+
+    flashref::cpu::attention(d.problem(), with_half(h));
+    FLASHREF_REQUIRE_CONFORMS(check_against_naive(d, flashref::input_dtype::bfloat16));
+    // One tile per step (an explicit key tile): the same rows within the half tolerances.
+    flashref::problem_data one = flashref::test::random_problem(s, 97);
+    flashref::test::round_inputs(one, flashref::input_dtype::bfloat16);
+    flashref::cpu::attention(one.problem(), with_half(h, 0, 128));
+    FLASHREF_REQUIRE_CONFORMS(check_against_naive(one, flashref::input_dtype::bfloat16));
+  }
+}
+
 TEST_CASE("cpu: the bf16 dot-product paths run their own arithmetic", "[cpu][half]") {
   // P is rounded to bfloat16 before P·V on these paths and not on convert: the same problem
   // gives other bits, so a path that silently fell back to convert would show here.

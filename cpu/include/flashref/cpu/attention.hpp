@@ -71,6 +71,10 @@ struct plan {
   isa used = isa::portable;
   half_path half = half_path::convert;  // the path of bf16/fp16 inputs (convert for float32)
   std::int64_t tile_q = 0, tile_k = 0;
+  // Keys per product step (a multiple of tile_k): the bf16 dot-product paths, whose default
+  // tile a block mask narrows to tile_k, put that many keys of visible tiles together into one
+  // softmax and P·V step; tile_k everywhere else.
+  std::int64_t step_k = 0;
   std::int64_t kv_chunk = 0;   // keys per chunk (a multiple of tile_k), or Lk when not split
   std::int64_t kv_splits = 1;  // number of key chunks merged per query row
   int threads = 1;             // threads the parallel region uses
