@@ -201,6 +201,37 @@ TEST_CASE("cuda: the Hopper kernel's 176-key tiles at D = 128", "[cuda][race]") 
     flashref::test::check_case(c, dtype, host_entry(fc::kernel_choice::hopper));
 }
 
+// At D = 256 without a block mask the Hopper kernel walks key tiles of 80 (tiles.cuh's
+// tile_keys; 64 under a block mask, which the device-entry test takes): key lengths that end
+// the last tile short, kv_len cutting tiles (batch 0 sees no key, a zero-filled V past it),
+// windows on one or both sides, both causal alignments, GQA, query lengths no multiple of 128.
+// (It also ran on h19's overlapped loop at D = 256, cuda/NOTES.md.)
+TEST_CASE("cuda: the Hopper kernel's 80-key tiles at D = 256", "[cuda][race]") {
+  if (!hopper_device()) return;
+  const input_dtype dtype = GENERATE(input_dtype::bfloat16, input_dtype::float16);
+  std::vector<catalogue_case> cases;
+  const auto add = [&](const char* name, std::int64_t lq, std::int64_t lk, bool kv_len,
+                       causal_mode causal, std::int64_t wl, std::int64_t wr) {
+    catalogue_case c;
+    c.name = name;
+    c.shape.B = kv_len ? 3 : 2, c.shape.Hq = 4, c.shape.Hk = 2, c.shape.D = c.shape.Dv = 256;
+    c.shape.Lq = lq, c.shape.Lk = lk, c.shape.use_kv_len = kv_len, c.shape.causal = causal;
+    c.shape.window_left = wl, c.shape.window_right = wr;
+    c.seed = static_cast<std::uint64_t>(lq * 3 + lk);
+    cases.push_back(c);
+  };
+  const causal_mode none = causal_mode::none;
+  add("dense, the last tile of 40 keys", 200, 1000, false, none, -1, -1);
+  add("dense, whole tiles", 130, 1120, false, none, -1, -1);
+  add("kv_len cutting tiles", 300, 1500, true, none, -1, -1);
+  add("window (200, 50) with kv_len", 700, 900, true, none, 200, 50);
+  add("one-sided window, fewer keys", 500, 333, false, none, 0, 130);
+  add("causal bottom-right, more keys", 400, 1050, false, causal_mode::bottom_right, -1, -1);
+  add("causal top-left with kv_len", 600, 500, true, causal_mode::top_left, -1, -1);
+  for (const catalogue_case& c : cases)
+    flashref::test::check_case(c, dtype, host_entry(fc::kernel_choice::hopper));
+}
+
 namespace {
 
 // Device copies of a host problem for the device entry, in `input` element type.
