@@ -315,17 +315,14 @@ plan make_plan(const attention_problem& p, const options& opt) {
   pl.tile_k = opt.tile_k > 0 ? opt.tile_k : kt.default_tk;
   // Likewise a key tile wider than the blocks computes every block of it that one row sees: the
   // bf16 paths' 256-key tile (dense work) gives way to their 128-key one there.
+  const bool narrowed = opt.tile_k <= 0 && p.has_block_mask() && p.block_k < pl.tile_k;
+  if (narrowed) pl.tile_k = kt.block_tk;
+  // The bf16 paths' per-step costs (accᵀ's rescale, loads and stores, the row steps) are what
+  // their wide tile spreads over more keys; a block mask narrows the tile, not the step: the
+  // visible narrow tiles are taken together, up to the wide tile's keys.
   pl.step_k = pl.tile_k;
-  if (opt.tile_k <= 0 && p.has_block_mask() && p.block_k < pl.tile_k) {
-    pl.tile_k = kt.block_tk;
-    // The bf16 paths' per-step costs (accᵀ's rescale, loads and stores, the row steps) are what
-    // their wide tile spreads over more keys; a block mask narrows the tile, not the step: the
-    // visible narrow tiles are taken together, up to the wide tile's keys.
-    if (pl.half == half_path::avx512_bf16 || pl.half == half_path::amx)
-      pl.step_k = std::max<std::int64_t>(1, kt.default_tk / pl.tile_k) * pl.tile_k;
-    else
-      pl.step_k = pl.tile_k;
-  }
+  if (narrowed && (pl.half == half_path::avx512_bf16 || pl.half == half_path::amx))
+    pl.step_k = std::max<std::int64_t>(1, kt.default_tk / pl.tile_k) * pl.tile_k;
   pl.threads = opt.threads > 0 ? opt.threads : omp_get_max_threads();
 
   const std::int64_t Lk = p.len_k();
