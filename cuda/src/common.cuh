@@ -158,13 +158,20 @@ struct range_walker {
 // the same for every head), found by two binary searches; only its tiles are classified. A tile
 // running past the last query is partial: its missing rows must not enter a full tile's
 // unmasked arithmetic.
-template <int kTileQ>
+//
+// kNarrow (the Hopper backward: its rows and keys are TMA coordinates, below 2^31, as any
+// length a GPU holds is there): the tiles' block-mask rows formed by 32-bit division, the block
+// sizes clamped to [1, L] (the same quotients for indices below L), and the key blocks once: a
+// 64-bit division is a subroutine call whose registers the producer warp does not have.
+template <int kTileQ, bool kNarrow = false>
 struct query_tile_walker {
   const mask_spec& mask;
   std::int64_t b, h, h_end, k0, k1;
   std::int64_t tile_begin, tile_end;
   std::int64_t base;
   tile_ballot ballot;
+  key_range kb_span{0, 0};
+  std::uint32_t block_q = 1;
 
   __device__ query_tile_walker(const mask_spec& m, std::int64_t b_, std::int64_t h_begin,
                                std::int64_t h_end_, std::int64_t k0_, std::int64_t k1_)
@@ -195,6 +202,15 @@ struct query_tile_walker {
     // No rows, or no query heads (Hq = 0 leaves a key/value head without a group): no tiles.
     tile_end = last > first && h < h_end ? (last + kTileQ - 1) / kTileQ : tile_begin;
     base = tile_begin - 32;
+    if (kNarrow && m.block_mask != nullptr) {
+      const auto clamp = [](std::int64_t size, std::int64_t len) {
+        return static_cast<std::uint32_t>(size < len ? size : len > 1 ? len : 1);
+      };
+      const std::uint32_t block_k = clamp(m.block_k, m.len_k);
+      kb_span = {static_cast<std::uint32_t>(k0) / block_k,
+                 static_cast<std::uint32_t>(k1 - 1) / block_k};
+      block_q = clamp(m.block_q, m.len_q);
+    }
   }
 
   __device__ bool next(std::int64_t& head, std::int64_t& tile, bool& is_full) {
@@ -208,7 +224,14 @@ struct query_tile_walker {
       ballot.classify(base, tile_end, [&](std::int64_t t) {
         const std::int64_t q0 = t * kTileQ;
         const std::int64_t q1 = q0 + kTileQ < mask.len_q ? q0 + kTileQ : mask.len_q;
-        const tile_class c = mask.classify(b, h, q0, q1, k0, k1);
+        tile_class c;
+        if constexpr (kNarrow) {
+          const key_range qb{static_cast<std::uint32_t>(q0) / block_q,
+                             static_cast<std::uint32_t>(q1 - 1) / block_q};
+          c = mask.classify_in_blocks(b, h, q0, q1, k0, k1, qb, kb_span);
+        } else {
+          c = mask.classify(b, h, q0, q1, k0, k1);
+        }
         return c == tile_class::full && q0 + kTileQ > mask.len_q ? tile_class::partial : c;
       });
     }

@@ -263,7 +263,8 @@ struct dkdv_pass_t {
   static constexpr bool kDq = kSums != dq_sums::none;
   static constexpr bool kFixed = kSums == dq_sums::fixed;
   using barriers = dkdv_barriers;
-  using registers = dkdv_registers;
+  template <int kD>
+  using registers = dkdv_registers<kD>;
   template <int kD>
   using layout = std::conditional_t<kDq, dkdvq_layout<kD>, dkdv_layout<kD>>;
 
@@ -280,7 +281,8 @@ struct dkdv_pass_t {
     const std::int64_t k1 = k0 + kBwdKeys < p.len_k ? k0 + kBwdKeys : p.len_k;
     // A block running past the last key holds keys that do not exist: element-mask every tile.
     const bool keys_past_end = k0 + kBwdKeys > p.len_k;
-    query_tile_walker<kBwdRows> walker(p.mask, b, hk * p.group, (hk + 1) * p.group, k0, k1);
+    query_tile_walker<kBwdRows, kD == 128> walker(p.mask, b, hk * p.group, (hk + 1) * p.group, k0,
+                                                  k1);
     std::int64_t h = 0, tile = 0;
     bool full = false;
     bool have = walker.next(h, tile, full);
@@ -415,15 +417,15 @@ struct dkdv_pass_t {
       std::uint32_t aP[4][4], adS[4][4];
       to_a_fragments<T>(rS, aP);
       to_a_fragments<T>(rdP, adS);
-      if constexpr (kDq) {  // dSᵀ for dQ = dS K, stored before the fragments go to wgmma
+      if constexpr (kDq) {
+        // dQ's product first (at D = 64 over this consumer's own keys, at D = 128 over both
+        // consumers' dSᵀ), then dV, dK behind it: dQ's hand-over (in fixed point its conversion)
+        // runs while they do, and the stage is released once all three have completed. At D = 64
+        // in fixed point +3.4 to +5 % (cuda/NOTES.md "b6"); at D = 128 +4 to +7 % ("b8"), where
+        // it holds dQ beside dK, dV, Pᵀ and dSᵀ and needs the consumers' 232 registers
+        // (dkdv_registers). dSᵀ for dQ = dS K is stored before the fragments go to wgmma.
         store_ds<T>(smem.ds(), key_row0, adS);
         fence_proxy_async();
-      }
-
-      if constexpr (kFixed && kDqOwnKeys<kD>) {
-        // At D = 64, dQ's product first (over this consumer's own keys), then dV, dK behind it:
-        // the conversion of dQ into fixed point runs while they do (+3.4 to +5 %, cuda/NOTES.md
-        // "b6"; at D = 128 this order keeps dQ live beside dK, dV, Pᵀ and dSᵀ, and ptxas spills).
         ds_stored<kD>(it, consumer, t);
         float rdQ[32];
         wgmma_fence();
@@ -448,26 +450,11 @@ struct dkdv_pass_t {
       product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
       product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
       wgmma_commit();
-      if constexpr (kDq) ds_stored<kD>(it, consumer, t);
       wgmma_wait<0>();
       fence_operands(rdV);
       fence_operands(rdK);
       fence_fragments(aP);
       fence_fragments(adS);
-
-      // dQ's columns [64 consumer, + 64) = dS K once both consumers' dSᵀ are stored (D = 128;
-      // at D = 64 dQ over this consumer's keys), and this one's fragments free (with dK, dV, Pᵀ
-      // and dSᵀ live as well, ptxas spills). The stage is released after the hand-over, whose
-      // tile and head come from its descriptor.
-      if constexpr (kDq) {
-        float rdQ[32];
-        wgmma_fence();
-        product_dq<T, kD>(rdQ, smem.ds(), smem.resident[0]);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_operands(rdQ);
-        add_dq<kD>(hp, smem, consumer, bar.info[s], bar.dq_scale[s], rdQ);
-      }
       bar.release(s);
     }
     if constexpr (kDq) {  // every addition performed before the block ends
@@ -669,6 +656,7 @@ using dq_layout = bwd_layout<kBwdQRows, kBwdQKeysFor<kD>, kD>;
 // consumer warpgroup, as the kernel template below takes them.
 struct dq_pass {
   using barriers = dq_barriers;
+  template <int kD>
   using registers = dq_registers;
   template <int kD>
   using layout = dq_layout<kD>;
@@ -840,10 +828,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   __syncthreads();
   if (warpgroup == 0) {
-    setmaxnreg_dec<Pass::registers::kProducerRegs>();
+    setmaxnreg_dec<Pass::template registers<kD>::kProducerRegs>();
     if (threadIdx.x < 32) Pass::template produce<T, kD>(hp, smem, bar);
   } else {
-    setmaxnreg_inc<Pass::registers::kConsumerRegs>();
+    setmaxnreg_inc<Pass::template registers<kD>::kConsumerRegs>();
     Pass::template consume<T, kD>(hp, warpgroup - 1, smem, bar);
   }
 #else

@@ -222,6 +222,25 @@ TEST_CASE("cuda backward: block-sparse with empty query-block rows and key tiles
   }
 }
 
+TEST_CASE("cuda backward: mask blocks as long as the rows or keys they cover, or longer",
+          "[cuda][backward]") {
+  // The hopper dK, dV kernel's walker forms the tiles' mask blocks in 32 bits with the block
+  // sizes clamped to the lengths (common.cuh, kNarrow): a block exactly Lq or Lk long, longer,
+  // and one that cuts the keys in two.
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 320, s.Lk = 448;
+  const auto [bq, bk, density] = GENERATE(table<std::int64_t, std::int64_t, double>(
+      {{320, 448, 1.0}, {400, 300, 0.5}, {1000, 1000, 1.0}, {64, 5000, 0.7}}));
+  s.D = s.Dv = GENERATE(64, 128);
+  s.causal = GENERATE(causal_mode::none, causal_mode::bottom_right);
+  s.block_q = bq, s.block_k = bk, s.block_density = density;
+  for (const fc::kernel_choice kernel : half_backward_kernels()) {
+    CAPTURE(s.describe());
+    problem_data d = flashref::test::build({"long mask blocks", s, 73}, input_dtype::bfloat16);
+    run_and_check(d, input_dtype::bfloat16, kernel, 73);
+  }
+}
+
 TEST_CASE("cuda backward is bitwise deterministic from run to run", "[cuda][backward][big]") {
   problem_shape s;
   s.B = 1, s.Hq = 8, s.Hk = 2, s.Lq = 500, s.Lk = 700, s.D = s.Dv = GENERATE(64, 128);

@@ -178,6 +178,39 @@ TEST_CASE("mask_spec classifies tiles exactly where it claims to", "[mask]") {
         }
 }
 
+TEST_CASE("mask_spec::classify_in_blocks with block sizes clamped to the lengths is classify",
+          "[mask]") {
+  // The GPU walker that forms a tile's mask blocks in 32 bits (cuda/src/common.cuh, kNarrow)
+  // divides by the block sizes clamped to [1, L]: the same quotients for indices below L, so
+  // the same class for every tile, block sizes longer than the lengths included.
+  const std::uint64_t seed = GENERATE(range(0, 40));
+  problem_shape s = flashref::test::random_shape(seed);
+  s.Lq = std::max<std::int64_t>(s.Lq, 1), s.Lk = std::max<std::int64_t>(s.Lk, 1);
+  if (s.block_q == 0)
+    s.block_q = 1 + std::int64_t(seed % 13), s.block_k = 1 + std::int64_t(seed % 17);
+  if (seed % 4 == 1) s.block_q = s.Lq + std::int64_t(seed % 3);  // as long as Lq, or longer
+  if (seed % 4 == 2) s.block_k = s.Lk + std::int64_t(seed % 5);
+  if (s.block_density <= 0.0) s.block_density = 0.5;
+  CAPTURE(seed, s.describe());
+  const flashref::problem_data d = flashref::test::random_problem(s, seed);
+  const flashref::mask_spec m = flashref::make_mask_spec(d.inputs());
+  REQUIRE(m.block_mask != nullptr);
+  const auto clamp = [](std::int64_t size, std::int64_t len) {
+    return std::max<std::int64_t>(std::min(size, len), 1);
+  };
+  const std::int64_t bq = clamp(m.block_q, s.Lq), bk = clamp(m.block_k, s.Lk);
+  for (std::int64_t b = 0; b < s.B; ++b)
+    for (std::int64_t h = 0; h < s.Hq; ++h)
+      for (std::int64_t q0 = 0; q0 < s.Lq; q0 += 5)
+        for (std::int64_t k0 = 0; k0 < s.Lk; k0 += 9) {
+          const std::int64_t q1 = std::min(q0 + 5, s.Lq), k1 = std::min(k0 + 9, s.Lk);
+          CAPTURE(b, h, q0, k0);
+          REQUIRE(m.classify_in_blocks(b, h, q0, q1, k0, k1, {q0 / bq, (q1 - 1) / bq},
+                                       {k0 / bk, (k1 - 1) / bk}) ==
+                  m.classify(b, h, q0, q1, k0, k1));
+        }
+}
+
 TEST_CASE("mask_spec::key_end is where a batch's keys end: no row sees a key past it", "[mask]") {
   // The kernels load no key at or past key_end(b) (min(Lk, kv_len[b])) and zero-fill the tile
   // that straddles it: every visible key lies below it, and with kv_len the last key below it

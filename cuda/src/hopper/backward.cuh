@@ -18,6 +18,7 @@
 // Every tile is stored as D / 64 boxes of (rows, 64) in the 128-byte swizzle layout (sm90.cuh).
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../common.cuh"
 #include "../launch.hpp"
@@ -37,8 +38,12 @@ inline constexpr int kBwdQKeysFor = kD == 64 ? 128 : 64;
 inline constexpr int kBwdStages = 3;
 // Registers per thread after setmaxnreg (the budget must balance, tiles.cuh). The dK, dV kernel's
 // consumers hold dK and dV (2 x D / 2 floats), Sᵀ and dPᵀ (2 x 32) and their A fragments at
-// once: 224, its producer 56 (ptxas spills at 216). The dQ kernel's producer walks key tiles
-// and zero-fills the kv_len tail: 64 (it spills at 56), its consumers 216.
+// once: 224, its producer 56 (ptxas spills at 216). At D = 128 the consumers take 232 and the
+// producer 40, all the budget allows: with dQ formed beside dK and dV its product and hand-over
+// run under theirs, which keeps dQ (32 more) live at once (at 224 ptxas spills and serialises
+// the products), and the producer fits 40 once its walker forms the mask blocks without 64-bit
+// division (query_tile_walker's kNarrow). The dQ kernel's producer walks key tiles and
+// zero-fills the kv_len tail: 64 (it spills at 56), its consumers 216.
 template <int kProducer, int kConsumer>
 struct register_split {
   static constexpr int kProducerRegs = kProducer;
@@ -46,7 +51,9 @@ struct register_split {
   static_assert((kLaunchRegs - kProducer) * 128 >= (kConsumer - kLaunchRegs) * 128 * kConsumers,
                 "the consumers take no more registers than the producer gives");
 };
-using dkdv_registers = register_split<56, 224>;
+template <int kD>
+using dkdv_registers =
+    std::conditional_t<kD == 128, register_split<40, 232>, register_split<56, 224>>;
 using dq_registers = register_split<64, 216>;
 
 // A (rows, kD) tile as kD / 64 boxes of (rows, 64) 16-bit elements in the 128-byte swizzle.

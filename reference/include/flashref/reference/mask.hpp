@@ -112,6 +112,30 @@ struct mask_spec {
     return (range_full && all) ? tile_class::full : tile_class::partial;
   }
 
+  // classify() with the tile's block-mask rows qb = [q0 / block_q, (q1 - 1) / block_q] and
+  // columns kb = [k0 / block_k, (k1 - 1) / block_k] (closed intervals; not read without a block
+  // mask) formed by the caller: a GPU walker forms them without 64-bit division. (classify()
+  // keeps its own body: the kernels that call it compile to the same code as before this one.)
+  FLASHREF_INLINE tile_class classify_in_blocks(std::int64_t b, std::int64_t h, std::int64_t q0,
+                                                std::int64_t q1, std::int64_t k0, std::int64_t k1,
+                                                key_range qb, key_range kb) const {
+    const key_range first = row_range(b, q0);
+    const key_range last = row_range(b, q1 - 1);
+    if (last.hi <= k0 || first.lo >= k1) return tile_class::empty;
+    const bool range_full = last.lo <= k0 && first.hi >= k1;
+    if (block_mask == nullptr) return range_full ? tile_class::full : tile_class::partial;
+    bool any = false, all = true;
+    for (std::int64_t i = qb.lo; i <= qb.hi; ++i) {
+      for (std::int64_t j = kb.lo; j <= kb.hi; ++j) {
+        const bool on = block_visible(b, h, i, j);
+        any = any || on;
+        all = all && on;
+      }
+    }
+    if (!any) return tile_class::empty;
+    return (range_full && all) ? tile_class::full : tile_class::partial;
+  }
+
   // For a mask without a block mask (causal, window and kv_len alone): the key tiles of
   // tile_k keys that hold a visible key for rows [q0, q1) (non-empty), and whether one of them
   // is full, without classifying each. Every tile between the first row's first key and the
