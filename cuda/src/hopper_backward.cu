@@ -421,9 +421,10 @@ struct dkdv_pass_t {
         // dQ's product first (at D = 64 over this consumer's own keys, at D = 128 over both
         // consumers' dSᵀ), then dV, dK behind it: dQ's hand-over (in fixed point its conversion)
         // runs while they do, and the stage is released once all three have completed. At D = 64
-        // in fixed point +3.4 to +5 % (cuda/NOTES.md "b6"); at D = 128 +4 to +7 % ("b8"), where
-        // it holds dQ beside dK, dV, Pᵀ and dSᵀ and needs the consumers' 232 registers
-        // (dkdv_registers). dSᵀ for dQ = dS K is stored before the fragments go to wgmma.
+        // in fixed point +3.4 to +5 % (cuda/NOTES.md "b6"); at D = 128 +1 to +6 % in fixed point
+        // and +5 to +10 % in float32 ("b8"), where it holds dQ beside dK, dV, Pᵀ and dSᵀ and needs
+        // the consumers' 232 registers (dkdv_registers). dSᵀ for dQ = dS K is stored before the
+        // fragments go to wgmma.
         store_ds<T>(smem.ds(), key_row0, adS);
         fence_proxy_async();
         ds_stored<kD>(it, consumer, t);
