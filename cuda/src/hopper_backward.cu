@@ -263,8 +263,14 @@ struct dkdv_pass_t {
   static constexpr bool kDq = kSums != dq_sums::none;
   static constexpr bool kFixed = kSums == dq_sums::fixed;
   using barriers = dkdv_barriers;
+  // D = 64 with dQ: the next tile's products issued before this tile's dQ is handed over
+  // (consume_pipelined).
   template <int kD>
-  using registers = dkdv_registers<kD>;
+  static constexpr bool kPipelined = kDq&& kDqOwnKeys<kD>;
+  // The pipelined consumers need 232 registers (at 224 ptxas spills 8 bytes), which the
+  // producer's narrow walker allows.
+  template <int kD>
+  using registers = std::conditional_t<kPipelined<kD>, register_split<40, 232>, dkdv_registers<kD>>;
   template <int kD>
   using layout = std::conditional_t<kDq, dkdvq_layout<kD>, dkdv_layout<kD>>;
 
@@ -281,8 +287,8 @@ struct dkdv_pass_t {
     const std::int64_t k1 = k0 + kBwdKeys < p.len_k ? k0 + kBwdKeys : p.len_k;
     // A block running past the last key holds keys that do not exist: element-mask every tile.
     const bool keys_past_end = k0 + kBwdKeys > p.len_k;
-    query_tile_walker<kBwdRows, kD == 128> walker(p.mask, b, hk * p.group, (hk + 1) * p.group, k0,
-                                                  k1);
+    query_tile_walker<kBwdRows, kD == 128 || kPipelined<kD>> walker(p.mask, b, hk * p.group,
+                                                                    (hk + 1) * p.group, k0, k1);
     std::int64_t h = 0, tile = 0;
     bool full = false;
     bool have = walker.next(h, tile, full);
@@ -355,108 +361,75 @@ struct dkdv_pass_t {
       key_rows[threadIdx.x - 128][2 * r + 1] = clamp(q.hi);
     }
 
-    int it = 0;
-    for (;; ++it) {
-      const int s = it % kBwdStages;
-      mbar_wait(&bar.full[s], (it / kBwdStages) & 1);
-      const bwd_stage_info info = read_stage_slot(bar.info[s]);
-      if (info.tile == kNoMoreTiles) break;
-      if (it == 0) {
-        mbar_wait(&bar.resident, 0);
-        if constexpr (kDq) zero_k_tail<kD>(hp, smem, consumer);
-      }
-      const unsigned char* sQ = smem.stage(0, s);
-      const unsigned char* sdO = smem.stage(1, s);
-
-      // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, issued together; Sᵀ is waited for first.
-      float rS[32], rdP[32];
-      wgmma_fence();
-      product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rS, smem.resident[0], key_row0, sQ);
-      wgmma_commit();
-      product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rdP, smem.resident[1], key_row0, sdO);
-      wgmma_commit();
-
-      // Bit 2 nb + c of visible[r]: query q0 + col0 + 8 nb + c sees key key_a + 8 r.
-      const std::int64_t q0 = std::int64_t(info.tile) * kBwdRows;
-      std::uint32_t visible[2] = {~0u, ~0u};
-      if (info.full == 0) {
-        // The batch and the thread's slot read afresh (volatile): kept across the loop for
-        // this branch alone, they spilled.
-        const block_ids ids = read_block_ids();
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const std::int32_t* slot = key_rows[ids.tid - 128];
-          const key_range rows{slot[2 * r], slot[2 * r + 1]};
-          // With dQ the key is formed afresh too (kept across the loop there, it spilled);
-          // without, the kept key_a (formed afresh there, it spilled).
-          const int key = (kDq ? key_of(ids) : key_a) + 8 * r;
-          visible[r] = query_bits<8>(p.mask, ids.z, info.head, key, q0 + col0, rows);
+    if constexpr (kPipelined<kD>) {
+      consume_pipelined<T, kD>(hp, consumer, smem, bar, key_rows, key_of, rdK, rdV);
+    } else {
+      int it = 0;
+      for (;; ++it) {
+        const int s = it % kBwdStages;
+        mbar_wait(&bar.full[s], (it / kBwdStages) & 1);
+        const bwd_stage_info info = read_stage_slot(bar.info[s]);
+        if (info.tile == kNoMoreTiles) break;
+        if (it == 0) {
+          mbar_wait(&bar.resident, 0);
+          if constexpr (kDq) zero_k_tail<kD>(hp, smem, consumer);
         }
-      }
-      const float* base = bar.lse_base[s];
-      const float* delta = bar.delta[s];
+        const unsigned char* sQ = smem.stage(0, s);
+        const unsigned char* sdO = smem.stage(1, s);
 
-      // Pᵀ while dPᵀ runs, then dSᵀ (P in place of S, dS in place of dP: with dK and dV this
-      // is what fits in the registers).
-      wgmma_wait<1>();
-      fence_operands(rS);
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const int nb = i / 4, e = i % 4;
-        const bool on = fragment_bit(visible, nb, e);
-        rS[i] = probability(rS[i], on, base[8 * nb + col0 + e % 2], p.scale * kLog2e);
-      }
-      wgmma_wait<0>();
-      fence_operands(rdP);
-#pragma unroll
-      for (int i = 0; i < 32; ++i) {
-        const int nb = i / 4, e = i % 4;
-        const bool on = fragment_bit(visible, nb, e);
-        rdP[i] = score_gradient(rS[i], rdP[i], on, delta[8 * nb + col0 + e % 2]);
-      }
-      std::uint32_t aP[4][4], adS[4][4];
-      to_a_fragments<T>(rS, aP);
-      to_a_fragments<T>(rdP, adS);
-      if constexpr (kDq) {
-        // dQ's product first (at D = 64 over this consumer's own keys, at D = 128 over both
-        // consumers' dSᵀ), then dV, dK behind it: dQ's hand-over (in fixed point its conversion)
-        // runs while they do, and the stage is released once all three have completed. At D = 64
-        // in fixed point +3.4 to +5 % (cuda/NOTES.md "b6"); at D = 128 +1 to +6 % in fixed point
-        // and +5 to +10 % in float32 ("b8"), where it holds dQ beside dK, dV, Pᵀ and dSᵀ and needs
-        // the consumers' 232 registers (dkdv_registers). dSᵀ for dQ = dS K is stored before the
-        // fragments go to wgmma.
-        store_ds<T>(smem.ds(), key_row0, adS);
-        fence_proxy_async();
-        ds_stored<kD>(it, consumer, t);
-        float rdQ[32];
+        // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, issued together; Sᵀ is waited for first.
+        float rS[32], rdP[32];
         wgmma_fence();
-        product_dq<T, kD>(rdQ, smem.ds(), smem.resident[0]);
+        product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rS, smem.resident[0], key_row0, sQ);
         wgmma_commit();
+        product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rdP, smem.resident[1], key_row0, sdO);
+        wgmma_commit();
+
+        // With dQ the key is formed afresh (kept across the loop there, it spilled); without,
+        // the kept key_a (formed afresh there, it spilled).
+        std::uint32_t aP[4][4], adS[4][4];
+        tile_gradients<T>(p, bar, s, info, key_rows, col0, rS, rdP, aP, adS,
+                          [&](const block_ids& ids) { return kDq ? key_of(ids) : key_a; });
+        if constexpr (kDq) {
+          // D = 128 (D = 64 takes consume_pipelined): dQ's product first, over both consumers'
+          // dSᵀ, then dV, dK behind it: dQ's hand-over (in fixed point its conversion) runs while
+          // they do, and the stage is released once all three have completed. +1 to +6 % in fixed
+          // point and +5 to +10 % in float32 (cuda/NOTES.md "b8"), where it holds dQ beside dK,
+          // dV, Pᵀ and dSᵀ and needs the consumers' 232 registers (dkdv_registers). dSᵀ for
+          // dQ = dS K is stored before the fragments go to wgmma.
+          store_ds<T>(smem.ds(), key_row0, adS);
+          fence_proxy_async();
+          ds_stored<kD>(it, consumer, t);
+          float rdQ[32];
+          wgmma_fence();
+          product_dq<T, kD>(rdQ, smem.ds(), smem.resident[0]);
+          wgmma_commit();
+          product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
+          product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
+          wgmma_commit();
+          wgmma_wait<1>();
+          fence_operands(rdQ);
+          add_dq<kD>(hp, smem, consumer, bar.info[s], bar.dq_scale[s], rdQ);
+          wgmma_wait<0>();
+          fence_operands(rdV);
+          fence_operands(rdK);
+          fence_fragments(aP);
+          fence_fragments(adS);
+          bar.release(s);
+          continue;
+        }
+        // dV += Pᵀ dO, dK += dSᵀ Q.
+        wgmma_fence();
         product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
         product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
         wgmma_commit();
-        wgmma_wait<1>();
-        fence_operands(rdQ);
-        add_dq<kD>(hp, smem, consumer, bar.info[s], bar.dq_scale[s], rdQ);
         wgmma_wait<0>();
         fence_operands(rdV);
         fence_operands(rdK);
         fence_fragments(aP);
         fence_fragments(adS);
         bar.release(s);
-        continue;
       }
-      // dV += Pᵀ dO, dK += dSᵀ Q.
-      wgmma_fence();
-      product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
-      product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
-      wgmma_commit();
-      wgmma_wait<0>();
-      fence_operands(rdV);
-      fence_operands(rdK);
-      fence_fragments(aP);
-      fence_fragments(adS);
-      bar.release(s);
     }
     if constexpr (kDq) {  // every addition performed before the block ends
       const unsigned tid = read_tid();
@@ -473,6 +446,125 @@ struct dkdv_pass_t {
                           p.len_k, rdK, p.scale);
     store_gradient<T, kD>(bp.dv, bp.dv_stride, bp.grad_out, bp.dv_store, ids.z, ids.y, row0,
                           p.len_k, rdV, 1.f);
+  }
+
+  // A tile's elementwise steps, with its Sᵀ and dPᵀ the two youngest groups in flight: the
+  // visibility of a partial tile's pairs (bit 2 nb + c of visible[r]: query q0 + col0 + 8 nb + c
+  // sees key key_for(ids) + 8 r), Pᵀ while dPᵀ runs, then dSᵀ (P in place of S, dS in place of
+  // dP: with dK and dV this is what fits in the registers), and the A fragments of both.
+  template <class T, class KeyFor>
+  __device__ static void tile_gradients(const kernel_params& p, const barriers& bar, int s,
+                                        const bwd_stage_info& info,
+                                        const std::int32_t (*key_rows)[4], int col0,
+                                        float (&rS)[32], float (&rdP)[32],
+                                        std::uint32_t (&aP)[4][4], std::uint32_t (&adS)[4][4],
+                                        const KeyFor& key_for) {
+    const std::int64_t q0 = std::int64_t(info.tile) * kBwdRows;
+    std::uint32_t visible[2] = {~0u, ~0u};
+    if (info.full == 0) {
+      // The batch and the thread's slot read afresh (volatile): kept across the loop for this
+      // branch alone, they spilled.
+      const block_ids ids = read_block_ids();
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const std::int32_t* slot = key_rows[ids.tid - 128];
+        const key_range rows{slot[2 * r], slot[2 * r + 1]};
+        visible[r] = query_bits<8>(p.mask, ids.z, info.head, key_for(ids) + 8 * r, q0 + col0, rows);
+      }
+    }
+    const float* base = bar.lse_base[s];
+    const float* delta = bar.delta[s];
+    wgmma_wait<1>();
+    fence_operands(rS);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int nb = i / 4, e = i % 4;
+      const bool on = fragment_bit(visible, nb, e);
+      rS[i] = probability(rS[i], on, base[8 * nb + col0 + e % 2], p.scale * kLog2e);
+    }
+    wgmma_wait<0>();
+    fence_operands(rdP);
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int nb = i / 4, e = i % 4;
+      const bool on = fragment_bit(visible, nb, e);
+      rdP[i] = score_gradient(rS[i], rdP[i], on, delta[8 * nb + col0 + e % 2]);
+    }
+    to_a_fragments<T>(rS, aP);
+    to_a_fragments<T>(rdP, adS);
+  }
+
+  // D = 64 with dQ (kPipelined): the next query tile's Sᵀ and dPᵀ are issued behind this tile's
+  // dQ, dV and dK products, before dQ's hand-over, so that the tensor cores go on from one tile
+  // to the next while this warpgroup hands dQ over (in fixed point: converts it) under four
+  // products and then forms the next tile's Pᵀ; the loop of `consume` waits for dK before it
+  // issues the next Sᵀ. +6 to +11 % at L = 16384 in fixed point, +1 to +2 % in float32
+  // (cuda/NOTES.md, "b9"). At D = 128, where dK and dV take twice the registers, even Sᵀ alone
+  // ahead spilled (88 bytes at 232).
+  template <class T, int kD, class KeyOf>
+  __device__ static void consume_pipelined(const hopper_bwd_params& hp, int consumer,
+                                           const layout<kD>& smem, barriers& bar,
+                                           const std::int32_t (*key_rows)[4], const KeyOf& key_of,
+                                           float (&rdK)[kD / 2], float (&rdV)[kD / 2]) {
+    const kernel_params& p = hp.bp.fwd;
+    const int t = static_cast<int>(threadIdx.x % 128);
+    const int key_row0 = consumer * 64;
+    const int col0 = 2 * (t % 4);
+    mbar_wait(&bar.full[0], 0);
+    if (read_stage_slot(bar.info[0]).tile == kNoMoreTiles) return;
+    mbar_wait(&bar.resident, 0);
+    zero_k_tail<kD>(hp, smem, consumer);
+    float rS[32], rdP[32];
+    // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ of the tile in stage s, a group each.
+    const auto issue_scores = [&](int s) {
+      wgmma_fence();
+      product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rS, smem.resident[0], key_row0,
+                                                      smem.stage(0, s));
+      wgmma_commit();
+      product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rdP, smem.resident[1], key_row0,
+                                                      smem.stage(1, s));
+      wgmma_commit();
+    };
+    issue_scores(0);
+    for (int it = 0;; ++it) {
+      const int s = it % kBwdStages;
+      const bwd_stage_info info = read_stage_slot(bar.info[s]);  // waited for before its Sᵀ
+      const unsigned char* sQ = smem.stage(0, s);
+      const unsigned char* sdO = smem.stage(1, s);
+      std::uint32_t aP[4][4], adS[4][4];
+      tile_gradients<T>(p, bar, s, info, key_rows, col0, rS, rdP, aP, adS, key_of);
+      store_ds<T>(smem.ds(), key_row0, adS);
+      fence_proxy_async();
+      ds_stored<kD>(it, consumer, t);
+      float rdQ[32];
+      wgmma_fence();
+      product_dq<T, kD>(rdQ, smem.ds(), smem.resident[0]);
+      wgmma_commit();
+      product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
+      product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
+      wgmma_commit();
+      // The next tile's Sᵀ and dPᵀ, or two empty groups where there is none: four groups in
+      // flight either way, dQ's the oldest.
+      const int s1 = (it + 1) % kBwdStages;
+      mbar_wait(&bar.full[s1], ((it + 1) / kBwdStages) & 1);
+      const bool more = read_stage_slot(bar.info[s1]).tile != kNoMoreTiles;
+      if (more) {
+        issue_scores(s1);
+      } else {
+        wgmma_commit();
+        wgmma_commit();
+      }
+      wgmma_wait<3>();
+      fence_operands(rdQ);
+      add_dq<kD>(hp, smem, consumer, bar.info[s], bar.dq_scale[s], rdQ);
+      wgmma_wait<2>();
+      fence_operands(rdV);
+      fence_operands(rdK);
+      fence_fragments(aP);
+      fence_fragments(adS);
+      bar.release(s);
+      if (!more) return;
+    }
   }
 
   // The last tile's chunk read by the copy engine (add_dq) before anyone passes here, and the

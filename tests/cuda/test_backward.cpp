@@ -589,6 +589,44 @@ TEST_CASE("cuda backward: the hopper dQ beside dK and dV, in fixed point and in 
   REQUIRE(same_bits(again.dq, fixed.dq));
 }
 
+// The dK, dV kernel with dQ beside it issues a query tile's first products before the last
+// tile's dQ is handed over (at D = 64; hopper_backward.cu, consume_pipelined), through a ring of
+// three stages: key blocks that see 0 to 8 query tiles of a head (an empty key block, a single
+// tile, as many tiles as stages and more), each count at several blocks, in both modes, against
+// the float64 gradients and the same bits again.
+TEST_CASE("cuda backward: the hopper dQ beside dK and dV over key blocks of 0 to 8 query tiles",
+          "[cuda][backward][race]") {
+  if (!hopper_backward_device()) return;
+  problem_shape s;
+  s.B = 1, s.Hq = 2, s.Hk = 2, s.Lq = 8 * 64, s.Lk = 16400, s.D = s.Dv = GENERATE(64, 128);
+  s.block_q = 64, s.block_k = 128, s.block_density = 1.0;  // rewritten below
+  CAPTURE(s.describe());
+  problem_data d =
+      flashref::test::build({"query tiles per key block", s, 75}, input_dtype::bfloat16);
+  auto& mask = d.opt.block_mask;  // [B, H, 8 query blocks, 129 key blocks]
+  REQUIRE(mask.shape()[2] == 8);
+  for (std::size_t h = 0; h < mask.shape()[1]; ++h)
+    for (std::size_t j = 0; j < mask.shape()[3]; ++j) {
+      const std::size_t tiles = (j + 4 * h) % 9;  // query blocks 0 .. tiles - 1 see key block j
+      for (std::size_t qb = 0; qb < mask.shape()[2]; ++qb)
+        mask(0, h, qb, j) = qb < tiles ? 1 : 0;
+    }
+  fc::attention(d.problem());
+  flashref::test::add_upstream_gradient(d, 75);
+  const bool deterministic = GENERATE(true, false);
+  const device_entry_result first =
+      run_device_entry(d, fc::kernel_choice::hopper, true, deterministic);
+  // dQ was formed beside dK and dV: its sums (B x Hq x Lq x D words) in the workspace.
+  REQUIRE(first.workspace >= std::size_t(s.B * s.Hq * s.Lq * s.D) * 4);
+  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
+      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+  const device_entry_result again =
+      run_device_entry(d, fc::kernel_choice::hopper, true, deterministic);
+  REQUIRE(same_bits(again.dk, first.dk));
+  REQUIRE(same_bits(again.dv, first.dv));
+  if (deterministic) REQUIRE(same_bits(again.dq, first.dq));
+}
+
 // What fixed point adds to the rows: a row whose dO is 0 gets dQ = 0 exactly (its bound is 0);
 // an LSE far below its row's log-sum-exp breaks the bound (Σ_j P_ij > 1) and the row's dQ is
 // NaN rather than a sum that wrapped; a NaN in a key reaches the rows whose parts include its key

@@ -42,7 +42,9 @@ inline constexpr int kBwdStages = 3;
 // producer 40, all the budget allows: with dQ formed beside dK and dV its product and hand-over
 // run under theirs, which keeps dQ (32 more) live at once (at 224 ptxas spills and serialises
 // the products), and the producer fits 40 once its walker forms the mask blocks without 64-bit
-// division (query_tile_walker's kNarrow). The dQ kernel's producer walks key tiles and
+// division (query_tile_walker's kNarrow). So do the D = 64 kernels with dQ (dkdv_pass_t's
+// registers), whose consumers hold the next tile's Sᵀ and dPᵀ beside dQ, dK and dV (at 224
+// ptxas spills 8 bytes). The dQ kernel's producer walks key tiles and
 // zero-fills the kv_len tail: 64 (it spills at 56), its consumers 216.
 template <int kProducer, int kConsumer>
 struct register_split {
