@@ -397,16 +397,8 @@ struct dkdv_pass_t {
           // point and +5 to +10 % in float32 (cuda/NOTES.md "b8"), where it holds dQ beside dK,
           // dV, Pᵀ and dSᵀ and needs the consumers' 232 registers (dkdv_registers). dSᵀ for
           // dQ = dS K is stored before the fragments go to wgmma.
-          store_ds<T>(smem.ds(), key_row0, adS);
-          fence_proxy_async();
-          ds_stored<kD>(it, consumer, t);
           float rdQ[32];
-          wgmma_fence();
-          product_dq<T, kD>(rdQ, smem.ds(), smem.resident[0]);
-          wgmma_commit();
-          product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
-          product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
-          wgmma_commit();
+          issue_dq_dv_dk<T, kD>(smem, key_row0, it, consumer, t, aP, adS, sQ, sdO, rdQ, rdV, rdK);
           wgmma_wait<1>();
           fence_operands(rdQ);
           add_dq<kD>(hp, smem, consumer, bar.info[s], bar.dq_scale[s], rdQ);
@@ -494,6 +486,25 @@ struct dkdv_pass_t {
     to_a_fragments<T>(rdP, adS);
   }
 
+  // dSᵀ stored for dQ = dS K, then dQ's product (a group) and dV += Pᵀ dO, dK += dSᵀ Q (a group
+  // behind it).
+  template <class T, int kD>
+  __device__ static void issue_dq_dv_dk(const layout<kD>& smem, int key_row0, int it, int consumer,
+                                        int t, const std::uint32_t (&aP)[4][4],
+                                        const std::uint32_t (&adS)[4][4], const unsigned char* sQ,
+                                        const unsigned char* sdO, float (&rdQ)[32],
+                                        float (&rdV)[kD / 2], float (&rdK)[kD / 2]) {
+    store_ds<T>(smem.ds(), key_row0, adS);
+    fence_proxy_async();
+    ds_stored<kD>(it, consumer, t);
+    wgmma_fence();
+    product_dq<T, kD>(rdQ, smem.ds(), smem.resident[0]);
+    wgmma_commit();
+    product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
+    product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
+    wgmma_commit();
+  }
+
   // D = 64 with dQ (kPipelined): the next query tile's Sᵀ and dPᵀ are issued behind this tile's
   // dQ, dV and dK products, before dQ's hand-over, so that the tensor cores go on from one tile
   // to the next while this warpgroup hands dQ over (in fixed point: converts it) under four
@@ -533,16 +544,8 @@ struct dkdv_pass_t {
       const unsigned char* sdO = smem.stage(1, s);
       std::uint32_t aP[4][4], adS[4][4];
       tile_gradients<T>(p, bar, s, info, key_rows, col0, rS, rdP, aP, adS, key_of);
-      store_ds<T>(smem.ds(), key_row0, adS);
-      fence_proxy_async();
-      ds_stored<kD>(it, consumer, t);
       float rdQ[32];
-      wgmma_fence();
-      product_dq<T, kD>(rdQ, smem.ds(), smem.resident[0]);
-      wgmma_commit();
-      product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
-      product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
-      wgmma_commit();
+      issue_dq_dv_dk<T, kD>(smem, key_row0, it, consumer, t, aP, adS, sQ, sdO, rdQ, rdV, rdK);
       // The next tile's Sᵀ and dPᵀ, or two empty groups where there is none: four groups in
       // flight either way, dQ's the oldest.
       const int s1 = (it + 1) % kBwdStages;
