@@ -266,7 +266,7 @@ struct dkdv_pass_t {
   // D = 64 with dQ: the next tile's products issued before this tile's dQ is handed over
   // (consume_pipelined).
   template <int kD>
-  static constexpr bool kPipelined = kDq&& kDqOwnKeys<kD>;
+  static constexpr bool kPipelined = kD == 64;
   // The pipelined consumers need 232 registers (at 224 ptxas spills 8 bytes), which the
   // producer's narrow walker allows.
   template <int kD>
@@ -362,7 +362,14 @@ struct dkdv_pass_t {
     }
 
     if constexpr (kPipelined<kD>) {
-      consume_pipelined<T, kD>(hp, consumer, smem, bar, key_rows, key_of, rdK, rdV);
+      // With dQ the key is formed afresh (kept across the loop there, it spilled); without,
+      // the kept key_a.
+      if constexpr (kDq) {
+        consume_pipelined<T, kD>(hp, consumer, smem, bar, key_rows, key_of, rdK, rdV);
+      } else {
+        consume_pipelined<T, kD>(
+            hp, consumer, smem, bar, key_rows, [&](const block_ids&) { return key_a; }, rdK, rdV);
+      }
     } else {
       int it = 0;
       for (;; ++it) {
@@ -515,7 +522,7 @@ struct dkdv_pass_t {
   template <class T, int kD, class KeyOf>
   __device__ static void consume_pipelined(const hopper_bwd_params& hp, int consumer,
                                            const layout<kD>& smem, barriers& bar,
-                                           const std::int32_t (*key_rows)[4], const KeyOf& key_of,
+                                           const std::int32_t (*key_rows)[4], const KeyOf& key_for,
                                            float (&rdK)[kD / 2], float (&rdV)[kD / 2]) {
     const kernel_params& p = hp.bp.fwd;
     const int t = static_cast<int>(threadIdx.x % 128);
@@ -524,7 +531,7 @@ struct dkdv_pass_t {
     mbar_wait(&bar.full[0], 0);
     if (read_stage_slot(bar.info[0]).tile == kNoMoreTiles) return;
     mbar_wait(&bar.resident, 0);
-    zero_k_tail<kD>(hp, smem, consumer);
+    if constexpr (kDq) zero_k_tail<kD>(hp, smem, consumer);
     float rS[32], rdP[32];
     // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ of the tile in stage s, a group each.
     const auto issue_scores = [&](int s) {
@@ -543,23 +550,36 @@ struct dkdv_pass_t {
       const unsigned char* sQ = smem.stage(0, s);
       const unsigned char* sdO = smem.stage(1, s);
       std::uint32_t aP[4][4], adS[4][4];
-      tile_gradients<T>(p, bar, s, info, key_rows, col0, rS, rdP, aP, adS, key_of);
-      float rdQ[32];
-      issue_dq_dv_dk<T, kD>(smem, key_row0, it, consumer, t, aP, adS, sQ, sdO, rdQ, rdV, rdK);
-      // The next tile's Sᵀ and dPᵀ, or two empty groups where there is none: four groups in
-      // flight either way, dQ's the oldest.
+      tile_gradients<T>(p, bar, s, info, key_rows, col0, rS, rdP, aP, adS, key_for);
+      // The next tile's Sᵀ and dPᵀ, or two empty groups where there is none: the waits below
+      // count the same either way.
       const int s1 = (it + 1) % kBwdStages;
-      mbar_wait(&bar.full[s1], ((it + 1) / kBwdStages) & 1);
-      const bool more = read_stage_slot(bar.info[s1]).tile != kNoMoreTiles;
-      if (more) {
-        issue_scores(s1);
+      const auto issue_next = [&] {
+        mbar_wait(&bar.full[s1], ((it + 1) / kBwdStages) & 1);
+        const bool more = read_stage_slot(bar.info[s1]).tile != kNoMoreTiles;
+        if (more) {
+          issue_scores(s1);
+        } else {
+          wgmma_commit();
+          wgmma_commit();
+        }
+        return more;
+      };
+      bool more = false;
+      if constexpr (kDq) {
+        float rdQ[32];
+        issue_dq_dv_dk<T, kD>(smem, key_row0, it, consumer, t, aP, adS, sQ, sdO, rdQ, rdV, rdK);
+        more = issue_next();
+        wgmma_wait<3>();  // dQ's product, the oldest of four groups
+        fence_operands(rdQ);
+        add_dq<kD>(hp, smem, consumer, bar.info[s], bar.dq_scale[s], rdQ);
       } else {
+        wgmma_fence();
+        product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
+        product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
         wgmma_commit();
-        wgmma_commit();
+        more = issue_next();
       }
-      wgmma_wait<3>();
-      fence_operands(rdQ);
-      add_dq<kD>(hp, smem, consumer, bar.info[s], bar.dq_scale[s], rdQ);
       wgmma_wait<2>();
       fence_operands(rdV);
       fence_operands(rdK);
