@@ -263,14 +263,8 @@ struct dkdv_pass_t {
   static constexpr bool kDq = kSums != dq_sums::none;
   static constexpr bool kFixed = kSums == dq_sums::fixed;
   using barriers = dkdv_barriers;
-  // D = 64 with dQ: the next tile's products issued before this tile's dQ is handed over
-  // (consume_pipelined).
   template <int kD>
-  static constexpr bool kPipelined = kD == 64;
-  // The pipelined consumers need 232 registers (at 224 ptxas spills 8 bytes), which the
-  // producer's narrow walker allows.
-  template <int kD>
-  using registers = std::conditional_t<kPipelined<kD>, register_split<40, 232>, dkdv_registers<kD>>;
+  using registers = dkdv_registers;
   template <int kD>
   using layout = std::conditional_t<kDq, dkdvq_layout<kD>, dkdv_layout<kD>>;
 
@@ -287,8 +281,7 @@ struct dkdv_pass_t {
     const std::int64_t k1 = k0 + kBwdKeys < p.len_k ? k0 + kBwdKeys : p.len_k;
     // A block running past the last key holds keys that do not exist: element-mask every tile.
     const bool keys_past_end = k0 + kBwdKeys > p.len_k;
-    query_tile_walker<kBwdRows, kD == 128 || kPipelined<kD>> walker(p.mask, b, hk * p.group,
-                                                                    (hk + 1) * p.group, k0, k1);
+    query_tile_walker<kBwdRows, true> walker(p.mask, b, hk * p.group, (hk + 1) * p.group, k0, k1);
     std::int64_t h = 0, tile = 0;
     bool full = false;
     bool have = walker.next(h, tile, full);
@@ -361,7 +354,7 @@ struct dkdv_pass_t {
       key_rows[threadIdx.x - 128][2 * r + 1] = clamp(q.hi);
     }
 
-    if constexpr (kPipelined<kD>) {
+    if constexpr (kBwdPipelined<kD>) {
       // With dQ the key is formed afresh (kept across the loop there, it spilled); without,
       // the kept key_a.
       if constexpr (kDq) {
@@ -512,13 +505,12 @@ struct dkdv_pass_t {
     wgmma_commit();
   }
 
-  // D = 64 with dQ (kPipelined): the next query tile's Sᵀ and dPᵀ are issued behind this tile's
-  // dQ, dV and dK products, before dQ's hand-over, so that the tensor cores go on from one tile
-  // to the next while this warpgroup hands dQ over (in fixed point: converts it) under four
-  // products and then forms the next tile's Pᵀ; the loop of `consume` waits for dK before it
-  // issues the next Sᵀ. +6 to +11 % at L = 16384 in fixed point, +1 to +2 % in float32
-  // (cuda/NOTES.md, "b9"). At D = 128, where dK and dV take twice the registers, even Sᵀ alone
-  // ahead spilled (88 bytes at 232).
+  // D = 64 (kBwdPipelined): the next query tile's Sᵀ and dPᵀ are issued behind this tile's dV and
+  // dK products (with dQ: behind dQ's too, before dQ's hand-over), so that the tensor cores go on
+  // from one tile to the next while this warpgroup hands dQ over (in fixed point: converts it)
+  // under four products and then forms the next tile's Pᵀ; the loop of `consume` waits for dK
+  // before it issues the next Sᵀ. With dQ in fixed point +6 to +11 % at L = 16384, in float32
+  // +1 to +2 % (cuda/NOTES.md, "b9").
   template <class T, int kD, class KeyOf>
   __device__ static void consume_pipelined(const hopper_bwd_params& hp, int consumer,
                                            const layout<kD>& smem, barriers& bar,

@@ -36,16 +36,20 @@ inline constexpr int kBwdQRows = 128;  // dQ kernel: query rows per block (two c
 template <int kD>
 inline constexpr int kBwdQKeysFor = kD == 64 ? 128 : 64;
 inline constexpr int kBwdStages = 3;
+// D = 64: the dK, dV kernel's consumers issue the next query tile's Sᵀ and dPᵀ before this
+// tile's dV and dK (and dQ) products have completed (hopper_backward.cu, consume_pipelined). At
+// D = 128, where dK and dV take twice the registers, that spills (88 bytes with dQ beside them
+// and Sᵀ alone ahead, 274 without dQ), so there the next Sᵀ waits for dK's product.
+template <int kD>
+inline constexpr bool kBwdPipelined = kD == 64;
 // Registers per thread after setmaxnreg (the budget must balance, tiles.cuh). The dK, dV kernel's
-// consumers hold dK and dV (2 x D / 2 floats), Sᵀ and dPᵀ (2 x 32) and their A fragments at
-// once: 224, its producer 56 (ptxas spills at 216). At D = 128 the consumers take 232 and the
-// producer 40, all the budget allows: with dQ formed beside dK and dV its product and hand-over
-// run under theirs, which keeps dQ (32 more) live at once (at 224 ptxas spills and serialises
-// the products), and the producer fits 40 once its walker forms the mask blocks without 64-bit
-// division (query_tile_walker's kNarrow). So do the D = 64 kernels with dQ (dkdv_pass_t's
-// registers), whose consumers hold the next tile's Sᵀ and dPᵀ beside dQ, dK and dV (at 224
-// ptxas spills 8 bytes). The dQ kernel's producer walks key tiles and
-// zero-fills the kv_len tail: 64 (it spills at 56), its consumers 216.
+// consumers take 232 and its producer 40, all the budget allows: at D = 128 they hold dK and dV
+// (2 x 64 floats), Sᵀ and dPᵀ (2 x 32) or their A fragments and, with dQ formed beside dK and dV
+// (its product and hand-over under theirs), dQ (32 more: at 224 ptxas spills and serialises the
+// products); at D = 64 the next tile's Sᵀ and dPᵀ beside dK, dV and dQ (at 224 ptxas spills 8
+// bytes). The producer fits 40 once its walker forms the mask blocks without 64-bit division
+// (query_tile_walker's kNarrow). The dQ kernel's producer walks key tiles and zero-fills the
+// kv_len tail: 64 (it spills at 56), its consumers 216.
 template <int kProducer, int kConsumer>
 struct register_split {
   static constexpr int kProducerRegs = kProducer;
@@ -53,9 +57,7 @@ struct register_split {
   static_assert((kLaunchRegs - kProducer) * 128 >= (kConsumer - kLaunchRegs) * 128 * kConsumers,
                 "the consumers take no more registers than the producer gives");
 };
-template <int kD>
-using dkdv_registers =
-    std::conditional_t<kD == 128, register_split<40, 232>, register_split<56, 224>>;
+using dkdv_registers = register_split<40, 232>;
 using dq_registers = register_split<64, 216>;
 
 // A (rows, kD) tile as kD / 64 boxes of (rows, 64) 16-bit elements in the 128-byte swizzle.
