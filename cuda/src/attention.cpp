@@ -62,11 +62,13 @@ void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
 #if defined(FLASHREF_CUDA_HOPPER)
       // The counter the persistent blocks take work items from (the caller's, else the first
       // word of a buffer from the stream-ordered pool; without either they take them in a fixed
-      // stride), then the kernel's flags. Where no mask hides a key every item walks every key
-      // tile: a fixed stride shares such items as evenly as the counter, and leaving the counter
-      // out saves the call the pool's allocation and the counter's memset (about 2 of its 10 µs
-      // on the host, cuda/NOTES.md "h16").
-      const bool counted = hides_keys(mask);
+      // stride), then the kernel's flags. Where no mask hides a key and Lq fills whole query
+      // tiles, every item is the same work: a fixed stride shares such items as evenly as the
+      // counter, and leaving the counter out saves the call the pool's allocation and the
+      // counter's memset (host part 9.9 -> 6.6 µs; dense D = 128 +2 to +3 % at L = 512 and 1024,
+      // cuda/NOTES.md "h20"). A short last tile per head (D = 64's 192-row items at L = 512:
+      // -1.2 % with the stride) keeps the counter.
+      const bool counted = hides_keys(mask) || kp.len_q % detail::hopper_tile_rows(kp) != 0;
       if (!counted) work_counter = nullptr;
       const int sms = detail::sm_count();
       const std::int64_t flags = guard_v ? detail::hopper_flag_count(kp, sms) : 0;

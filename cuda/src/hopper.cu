@@ -149,6 +149,10 @@ int hopper_consumers(const kernel_params& p) {
 
 }  // namespace
 
+std::int64_t hopper_tile_rows(const kernel_params& p) {
+  return sm90::kRowsPerConsumer * hopper_consumers(p);
+}
+
 std::int64_t hopper_flag_count(const kernel_params& p, int sm_count) {
   const int consumers = hopper_consumers(p);
   const std::int64_t items = consumers == 3 ? sm90::work_items<sm90::block_shape<3>::kTileQ>(p)

@@ -64,6 +64,8 @@ cudaError_t launch_tensor_core(const kernel_params& p, elem input, cudaStream_t 
 cudaError_t launch_hopper(const kernel_params& p, elem input, std::uint32_t* work_counter,
                           std::uint32_t* nonfinite_flags, int sm_count, cudaStream_t stream);
 std::int64_t hopper_flag_count(const kernel_params& p, int sm_count);
+// Query rows per work item of the Hopper kernel for p (128, or 192 for D = 64's three consumers).
+std::int64_t hopper_tile_rows(const kernel_params& p);
 
 // The float32-accumulating SIMT kernel: any strides, head dims up to kSimtMaxHeadDim. Gated
 // (p.run_if set), it runs on a grid of one wave whose blocks walk the query tiles, so that the
