@@ -70,14 +70,15 @@ void enqueue(const device_problem& p, kernel_kind kernel, const mask_spec& mask,
       // -1.2 % with the stride) keeps the counter.
       const bool counted = hides_keys(mask) || kp.len_q % detail::hopper_tile_rows(kp) != 0;
       if (!counted) work_counter = nullptr;
+      const bool counter_from_pool = counted && work_counter == nullptr;
       const int sms = detail::sm_count();
       const std::int64_t flags = guard_v ? detail::hopper_flag_count(kp, sms) : 0;
       std::optional<detail::stream_scratch> scratch;
       std::uint32_t* flag_words = nullptr;
-      if (pool && ((counted && work_counter == nullptr) || flags > 0)) {
+      if (pool && (counter_from_pool || flags > 0)) {
         scratch.emplace("work_counter", std::size_t(1 + flags) * sizeof(std::uint32_t), stream);
         auto* words = static_cast<std::uint32_t*>(scratch->get());
-        if (counted && work_counter == nullptr) work_counter = words;
+        if (counter_from_pool) work_counter = words;
         if (flags > 0) flag_words = words + 1;
       }
       check(detail::launch_hopper(kp, input, work_counter, flag_words, sms, stream),
