@@ -769,7 +769,11 @@ TEST_CASE("cuda backward: where the hopper dQ beside dK and dV applies", "[cuda]
 // values, and the bf16 bits are the float32 values rounded to nearest.
 TEST_CASE("cuda backward: the gradients' layout and dtype change no bit", "[cuda][backward]") {
   problem_shape s;
-  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 200, s.Lk = 150, s.D = s.Dv = GENERATE(64, 128);
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 200, s.D = s.Dv = GENERATE(64, 128);
+  // 150 keys: dQ from the hopper's dQ pass; 8200: from the fixed-point sums of the dK, dV
+  // kernel with dQ, written out by dq_from_sums in each of its three ways (16-byte pieces, float
+  // pairs, element by element). Lq = 200 ends in a cut query tile.
+  s.Lk = GENERATE(150, 8200);
   s.causal = causal_mode::bottom_right;
   const fc::kernel_choice kernel =
       GENERATE(fc::kernel_choice::tensor_core, fc::kernel_choice::hopper);
@@ -802,6 +806,9 @@ TEST_CASE("cuda backward: the gradients' layout and dtype change no bit", "[cuda
     dp.d_k = grad(g.dk.shape);
     dp.d_v = grad(g.dv.shape);
     REQUIRE(std::string(fc::backward_kernel_for(dp)) == name_of(kernel));
+    if (kernel == fc::kernel_choice::hopper && s.Lk > 8192) {  // the workspace holds the sums
+      REQUIRE(fc::backward_workspace_bytes(dp) >= std::size_t(s.B * s.Hq * 256 * s.D * 4));
+    }
     fc::attention_backward(dp, nullptr);
     cuda_check(cudaDeviceSynchronize());
     std::vector<float> all;
