@@ -403,24 +403,14 @@ struct dkdv_pass_t {
           fence_operands(rdQ);
           add_dq<kD>(hp, smem, consumer, bar.info[s], bar.dq_scale[s], rdQ);
           wgmma_wait<0>();
-          fence_operands(rdV);
-          fence_operands(rdK);
-          fence_fragments(aP);
-          fence_fragments(adS);
-          bar.release(s);
+          release_after_dv_dk(bar, s, aP, adS, rdV, rdK);
           continue;
         }
         // dV += Pᵀ dO, dK += dSᵀ Q.
         wgmma_fence();
-        product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
-        product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
-        wgmma_commit();
+        issue_dv_dk<T, kD>(aP, adS, sQ, sdO, rdV, rdK);
         wgmma_wait<0>();
-        fence_operands(rdV);
-        fence_operands(rdK);
-        fence_fragments(aP);
-        fence_fragments(adS);
-        bar.release(s);
+        release_after_dv_dk(bar, s, aP, adS, rdV, rdK);
       }
     }
     if constexpr (kDq) {  // every addition performed before the block ends
@@ -500,6 +490,28 @@ struct dkdv_pass_t {
     wgmma_fence();
     product_dq<T, kD>(rdQ, smem.ds(), smem.resident[0]);
     wgmma_commit();
+    issue_dv_dk<T, kD>(aP, adS, sQ, sdO, rdV, rdK);
+  }
+
+  // After dV's and dK's products have completed: their accumulators and A fragments fenced
+  // (the compiler keeps them where wgmma read and wrote them), stage s released.
+  template <int kN>
+  __device__ static void release_after_dv_dk(barriers& bar, int s, std::uint32_t (&aP)[4][4],
+                                             std::uint32_t (&adS)[4][4], float (&rdV)[kN],
+                                             float (&rdK)[kN]) {
+    fence_operands(rdV);
+    fence_operands(rdK);
+    fence_fragments(aP);
+    fence_fragments(adS);
+    bar.release(s);
+  }
+
+  // dV += Pᵀ dO and dK += dSᵀ Q as one group (the fragments fenced by the caller).
+  template <class T, int kD>
+  __device__ static void issue_dv_dk(const std::uint32_t (&aP)[4][4],
+                                     const std::uint32_t (&adS)[4][4], const unsigned char* sQ,
+                                     const unsigned char* sdO, float (&rdV)[kD / 2],
+                                     float (&rdK)[kD / 2]) {
     product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
     product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
     wgmma_commit();
@@ -567,17 +579,11 @@ struct dkdv_pass_t {
         add_dq<kD>(hp, smem, consumer, bar.info[s], bar.dq_scale[s], rdQ);
       } else {
         wgmma_fence();
-        product_rs<T, kBwdRows, kD>(rdV, aP, sdO);
-        product_rs<T, kBwdRows, kD>(rdK, adS, sQ);
-        wgmma_commit();
+        issue_dv_dk<T, kD>(aP, adS, sQ, sdO, rdV, rdK);
         more = issue_next();
       }
       wgmma_wait<2>();
-      fence_operands(rdV);
-      fence_operands(rdK);
-      fence_fragments(aP);
-      fence_fragments(adS);
-      bar.release(s);
+      release_after_dv_dk(bar, s, aP, adS, rdV, rdK);
       if (!more) return;
     }
   }

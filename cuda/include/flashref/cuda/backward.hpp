@@ -53,8 +53,8 @@ struct device_backward_problem {
   // dQ beside dK and dV (rows that can see 8192 keys or more at D = 128, 16384 with a block mask;
   // 4096 and 8192 at D = 64) it adds each key tile's part to fixed-point int32 sums, whose
   // additions give the same bits in any order (cuda/NOTES.md, "b6"); elsewhere dQ has its own
-  // pass. A row whose LSE lies far below
-  // its log-sum-exp (not the forward's) can leave the fixed-point range: its dQ is then NaN.
+  // pass. A row whose LSE lies far below its log-sum-exp (not the forward's) can leave the
+  // fixed-point range: its dQ is then NaN.
   // false lets those sums be float32, added in whatever order the key tiles finish, and from
   // fewer keys (2048; 8192 with a block mask): faster, dQ within the same tolerance but not
   // bitwise repeatable; dK and dV unchanged.
