@@ -17,6 +17,8 @@
 #include <string>
 #include <vector>
 
+#include <xtensor/xview.hpp>
+
 #include "../common/catalogue.hpp"
 #include "../common/check.hpp"
 #include "cpu_test.hpp"
@@ -95,6 +97,35 @@ TEST_CASE("cpu: random problems on every instruction set at random tiles", "[cpu
                                  });
     }
   }
+}
+
+TEST_CASE("cpu: scores of magnitude 1e3 whose row maxima move from tile to tile", "[cpu]") {
+  // Q and K hold small integers, the first column 40 in both, and the scale is 1: every score
+  // is an integer near 1600, computed exactly, spread over a few dozen around it, so that key
+  // tiles keep raising rows' maxima while many keys carry weight. Only the exponential can err
+  // here: its reduction must not lose the low bits of the large max (2^((s - m) log2 e), not
+  // 2^(s log2 e - m log2 e), whose rounding of m log2 e would weigh tiles differently).
+  // Row and column counts off a register's width exercise the transposes' tails.
+  problem_shape s;
+  s.Hq = s.Hk = 2;
+  s.Lk = 700;
+  s.causal = GENERATE(causal_mode::none, causal_mode::top_left);
+  for (const std::int64_t lq : {std::int64_t(300), std::int64_t(37)})
+    for (const std::int64_t d : {std::int64_t(64), std::int64_t(20)}) {
+      s.Lq = lq;
+      s.D = s.Dv = d;
+      for (isa i : flashref::cpu::supported_isas()) {
+        CAPTURE(s.describe(), flashref::cpu::to_string(i));
+        flashref::problem_data pd = flashref::test::random_problem(s, 77 + std::uint64_t(lq + d));
+        pd.q = xt::round(pd.q);
+        pd.k = xt::round(pd.k);
+        xt::view(pd.q, xt::all(), xt::all(), xt::all(), 0) = 40.0f;  // every score + 1600
+        xt::view(pd.k, xt::all(), xt::all(), xt::all(), 0) = 40.0f;
+        pd.opt.scale = 1.0;
+        flashref::cpu::attention(pd.problem(), with_isa(i));
+        FLASHREF_REQUIRE_CONFORMS(check_against_naive(pd));
+      }
+    }
 }
 
 TEST_CASE("cpu: split-KV chunks merge to the unsplit result", "[cpu]") {
