@@ -719,18 +719,22 @@ __device__ __forceinline__ std::uint32_t pack2_as(float lo, float hi, elem e) {
 
 // dQ = scale x the sums of the dK, dV kernel with dQ (chunks of dq_chunk_coords' order), rows
 // past Lq skipped: float32 sums as they are; fixed-point ones divided by their row's scale (a
-// power of two: exact), NaN in a flagged row. A block takes whole chunks: it reads one in the
-// chunk's own order (16-byte loads), puts each value at its row and column in shared memory, then
-// writes the rows out in the widest pieces dQ's layout takes (bp.dq_store: 16 bytes of 16-bit
-// elements, 8-byte float pairs, else element by element). Each element is the same float
-// expression, rounded once, whichever way it is stored. Writing the chunk's order straight out,
-// each warp's store met 8 rows in 4-byte pieces: 126 us for the 192 MB at D = 128, L = 16384
-// (ncu), about a third of the bandwidth.
+// power of two, at most 2^127: its reciprocal is exact, even where subnormal, so the product is
+// the quotient's bits without a division per element), NaN in a flagged row. A block takes whole
+// chunks: it reads one in the chunk's own order (16-byte loads), puts each value at its row and
+// column in shared memory, then writes the rows out in the widest pieces dQ's layout takes
+// (bp.dq_store: 16 bytes of 16-bit elements, 8-byte float pairs, else element by element). Each
+// element is the same float expression, rounded once, whichever way it is stored. Writing the
+// chunk's order straight out, each warp's store met 8 rows in 4-byte pieces: 126 us for the 192 MB
+// at D = 128, L = 16384 (ncu), about a third of the bandwidth.
 template <int kD, bool kFixed>
 __global__ void __launch_bounds__(kDqFromSumsThreads) dq_from_sums(const backward_params bp) {
   constexpr int kPitch = kD + 8;  // floats per row in shared memory
   constexpr int kChunk4 = kDqChunkFloats<kD> / 4;
+  constexpr int kPerThread = kChunk4 / kDqFromSumsThreads;
+  static_assert(kChunk4 % kDqFromSumsThreads == 0, "whole 16-byte pieces per thread");
   __shared__ float rows[kBwdRows * kPitch];
+  __shared__ float row_inv[kBwdRows];  // fixed point: 1 / the row's scale, or NaN if flagged
   const kernel_params& p = bp.fwd;
   const std::int64_t tiles_q = (p.len_q + kBwdRows - 1) / kBwdRows;
   const std::int64_t chunks = p.batch * p.heads_q * tiles_q;
@@ -740,27 +744,40 @@ __global__ void __launch_bounds__(kDqFromSumsThreads) dq_from_sums(const backwar
     const std::int64_t h = bh % p.heads_q, b = bh / p.heads_q;
     const std::int64_t row0 = tile * kBwdRows;
     const int rows_in = static_cast<int>(p.len_q - row0 < kBwdRows ? p.len_q - row0 : kBwdRows);
+    // Every 16-byte piece of the thread's share loaded before any is used: one round trip to
+    // memory per chunk instead of one per piece (the stores into rows between the loads kept
+    // them apart: 44 % of DRAM bandwidth at D = 128, L = 16384).
+    int4 raw[kPerThread];
 #pragma unroll
-    for (int f = t; f < kChunk4; f += kDqFromSumsThreads) {
-      float x[4];
-      if constexpr (kFixed) {
-        const int4 v = static_cast<const int4*>(bp.dq_sums)[chunk * kChunk4 + f];
-        const int n[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-        for (int e = 0; e < 4; ++e)
-          x[e] = static_cast<float>(n[e]);
-      } else {
-        const float4 v = static_cast<const float4*>(bp.dq_sums)[chunk * kChunk4 + f];
-        x[0] = v.x, x[1] = v.y, x[2] = v.z, x[3] = v.w;
+    for (int u = 0; u < kPerThread; ++u)
+      raw[u] = __ldg(static_cast<const int4*>(bp.dq_sums) + chunk * kChunk4 + t +
+                     u * kDqFromSumsThreads);
+    if constexpr (kFixed) {
+      for (int r = t; r < rows_in; r += kDqFromSumsThreads) {
+        const std::int64_t n = bh * p.len_q + row0 + r;
+        row_inv[r] =
+            bp.dq_row_flags[n] != 0 ? __int_as_float(0x7fffffff) : 1.f / bp.dq_row_scale[n];
       }
+      __syncthreads();
+    }
+    // The thread's index read afresh per chunk: otherwise the compiler keeps every piece's
+    // shared-memory addresses live across the chunks (119 registers at D = 128: two blocks
+    // per SM).
+    int tc;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(tc));
+#pragma unroll
+    for (int u = 0; u < kPerThread; ++u) {
+      const int f = tc + u * kDqFromSumsThreads;
+      const int w[4] = {raw[u].x, raw[u].y, raw[u].z, raw[u].w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const dq_coords at = dq_chunk_coords(f, e);
         if (at.row >= rows_in) continue;
-        float value = x[e];
-        if constexpr (kFixed) {
-          const std::int64_t n = bh * p.len_q + row0 + at.row;
-          value = bp.dq_row_flags[n] != 0 ? __int_as_float(0x7fffffff) : value / bp.dq_row_scale[n];
+        float value;
+        if constexpr (kFixed) {  // NaN in a flagged row's every element
+          value = static_cast<float>(w[e]) * row_inv[at.row];
+        } else {
+          value = __int_as_float(w[e]);
         }
         rows[at.row * kPitch + at.col] = p.scale * value;
       }
