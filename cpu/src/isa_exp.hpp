@@ -59,11 +59,11 @@ constexpr float kExp2P2 = 5.550733581185341e-2f;
 constexpr float kExp2P3 = 2.402224242687225e-1f;
 constexpr float kExp2P4 = 6.931470036506653e-1f;
 
+// 2^t by that polynomial, scaled by 2^round(t), NaN kept: for t >= kExp2Lo on every V, lower t
+// only where V::scale_pow2 takes any integral n (AVX-512's scalef, which the bf16 softmax uses).
 template <class V>
-typename V::reg exp2_softmax_lanes(typename V::reg t) {
+typename V::reg exp2_poly_scaled(typename V::reg t) {
   using reg = typename V::reg;
-  const auto under = V::below(t, V::set1(kExp2Lo));
-  t = V::max(V::set1(kExp2Lo), t);  // max gives its second operand for a NaN
   const reg n = V::round_nearest(t);
   const reg f = V::sub(t, n);
   reg y = V::set1(kExp2P0);
@@ -72,7 +72,14 @@ typename V::reg exp2_softmax_lanes(typename V::reg t) {
   y = V::fma(y, f, V::set1(kExp2P3));
   y = V::fma(y, f, V::set1(kExp2P4));
   y = V::fma(y, f, V::set1(1.0f));
-  return V::zero_where(under, V::scale_pow2(y, n));
+  return V::scale_pow2(y, n);
+}
+
+template <class V>
+typename V::reg exp2_softmax_lanes(typename V::reg t) {
+  const auto under = V::below(t, V::set1(kExp2Lo));
+  t = V::max(V::set1(kExp2Lo), t);  // max gives its second operand for a NaN
+  return V::zero_where(under, exp2_poly_scaled<V>(t));
 }
 
 }  // namespace flashref::cpu::detail
