@@ -18,6 +18,7 @@
 #include <type_traits>
 
 #include "common.cuh"
+#include "guards.hpp"
 #include "launch.hpp"
 
 namespace flashref::cuda::detail {
@@ -123,6 +124,54 @@ __device__ __forceinline__ float lane_group_sum(float v) {
   return v;
 }
 
+// Columns [0, 8) kept as loaded (one 16-byte word; two for float32) until they are used: a
+// thread holding several loads in flight spends 4 registers on each, not 8.
+template <class T>
+struct raw8 {
+  uint4 w;
+};
+template <>
+struct raw8<float> {
+  float4 a, b;
+};
+template <class T>
+__device__ __forceinline__ raw8<T> load_raw8(const T* src) {
+  return {__ldg(reinterpret_cast<const uint4*>(src))};
+}
+template <>
+__device__ __forceinline__ raw8<float> load_raw8(const float* src) {
+  return {__ldg(reinterpret_cast<const float4*>(src)),
+          __ldg(reinterpret_cast<const float4*>(src) + 1)};
+}
+template <class T>
+__device__ __forceinline__ raw8<T> zero_raw8() {
+  return {make_uint4(0u, 0u, 0u, 0u)};  // +0 in either 16-bit type
+}
+template <>
+__device__ __forceinline__ raw8<float> zero_raw8() {
+  return {make_float4(0.f, 0.f, 0.f, 0.f), make_float4(0.f, 0.f, 0.f, 0.f)};
+}
+template <class T>
+__device__ __forceinline__ void unpack8(const raw8<T>& r, float (&x)[8]) {
+  const T* e = reinterpret_cast<const T*>(&r.w);
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    x[i] = to_float(e[i]);
+}
+__device__ __forceinline__ void unpack8(const raw8<float>& r, float (&x)[8]) {
+  x[0] = r.a.x, x[1] = r.a.y, x[2] = r.a.z, x[3] = r.a.w;
+  x[4] = r.b.x, x[5] = r.b.y, x[6] = r.b.z, x[7] = r.b.w;
+}
+
+// Row `row` of (B, Hq, Lq) as (i, h, b) where the rows number below 2^32 (the pipelined kernels'
+// launch condition): 32-bit divisions only, no 64-bit division's call inside their loops.
+__device__ __forceinline__ void row_coordinates32(const kernel_params& p, std::uint32_t row,
+                                                  std::int64_t& i, std::int64_t& h,
+                                                  std::int64_t& b) {
+  const auto lq = static_cast<std::uint32_t>(p.len_q), hq = static_cast<std::uint32_t>(p.heads_q);
+  i = row % lq, h = row / lq % hq, b = row / lq / hq;
+}
+
 // Delta (and with fixed-point dQ, ||dO||^2 and the row's scale) by kDeltaLanes lanes per row.
 template <class TO, class TdO>
 __global__ void __launch_bounds__(kDeltaThreads) delta_rows_kernel(const backward_params bp) {
@@ -164,6 +213,109 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_rows_kernel(const backwar
   if (row >= rows || lane != 0) return;
   bp.delta[row] = s;
   if (fixed) set_dq_row_scale(bp, row, b, h, g2, s);
+}
+
+// Delta (and the rows' scales) for head dims kDv = 64 and 128 (the Hopper backward's): the same
+// sums as delta_rows_kernel, in the same order (column chunks, then elements, ascending: the same
+// bits), by a grid of a few blocks per SM, each walking tiles of kGroups · 128 / kDv rows at a
+// stride and loading its next tile (four 16-byte loads per thread) before it sums this one.
+// One row per short-lived block left the kernel at about half of the memory bandwidth (ncu,
+// 134 MB of O and dO at L = 16384), whatever the loads in flight per thread.
+constexpr int kPipelinedBlocksPerSm = 3;  // resident at up to 85 registers a thread
+template <class TO, class TdO, int kDv>
+__global__ void __launch_bounds__(kDeltaThreads)
+    delta_rows_pipelined_kernel(const backward_params bp) {
+  static_assert(kDv == 64 || kDv == 128);
+  const kernel_params& p = bp.fwd;
+  constexpr int kGroups = kDeltaThreads / kDeltaLanes;
+  constexpr int kRows = 128 / kDv;                  // rows per lane group and tile
+  constexpr int kChunks = kDv / (8 * kDeltaLanes);  // 16-byte loads per row and tensor
+  const std::int64_t rows = p.batch * p.heads_q * p.len_q;
+  const std::int64_t tiles = (rows + kGroups * kRows - 1) / (kGroups * kRows);
+  const int lane = static_cast<int>(threadIdx.x % kDeltaLanes);
+  const std::int64_t group = threadIdx.x / kDeltaLanes;
+  struct tile_words {
+    raw8<TO> o[kRows][kChunks];
+    raw8<TdO> d_o[kRows][kChunks];
+  };
+  // Rows t kGroups kRows + group + kGroups r of tile t: neighbouring groups, neighbouring rows.
+  // Rows past the last (and a tile past the last) read as 0.
+  const auto load = [&](std::int64_t t, tile_words& x) {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const std::int64_t row = t * kGroups * kRows + group + kGroups * r;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        x.o[r][c] = zero_raw8<TO>();
+        x.d_o[r][c] = zero_raw8<TdO>();
+      }
+      if (row >= rows) continue;
+      std::int64_t i = 0, h = 0, b = 0;
+      row_coordinates32(p, static_cast<std::uint32_t>(row), i, h, b);
+      const TO* o =
+          static_cast<const TO*>(p.o) + b * p.o_stride[0] + h * p.o_stride[1] + i * p.o_stride[2];
+      const TdO* d_o = static_cast<const TdO*>(bp.d_o) + b * bp.d_o_stride[0] +
+                       h * bp.d_o_stride[1] + i * bp.d_o_stride[2];
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        x.o[r][c] = load_raw8(o + 8 * (lane + kDeltaLanes * c));
+        x.d_o[r][c] = load_raw8(d_o + 8 * (lane + kDeltaLanes * c));
+      }
+    }
+  };
+  // See delta_rows_kernel: never with dO in float32.
+  const bool fixed = !std::is_same_v<TdO, float> && bp.dq_row_scale != nullptr;
+  // Tile t's sums, then their rows' words: lane r of each group writes row r (after the
+  // butterflies every lane holds every sum), so that the rows' scales of a tile are taken side
+  // by side instead of one after another by lane 0.
+  const auto finish = [&](const tile_words& x, std::int64_t t) {
+    float s[kRows], g2[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      s[r] = g2[r] = 0.f;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        float xo[8], xd[8];
+        unpack8(x.o[r][c], xo);
+        unpack8(x.d_o[r][c], xd);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) {
+          s[r] = fmaf(xd[e], xo[e], s[r]);
+          g2[r] = fmaf(xd[e], xd[e], g2[r]);
+        }
+      }
+      s[r] = lane_group_sum<kDeltaLanes>(s[r]);
+      if (fixed) g2[r] = lane_group_sum<kDeltaLanes>(g2[r]);
+    }
+    float my_s = s[0], my_g2 = g2[0];
+#pragma unroll
+    for (int r = 1; r < kRows; ++r) {
+      if (lane == r) my_s = s[r], my_g2 = g2[r];
+    }
+    const int r = kRows == 1 ? 0 : lane;  // the row this lane writes, if lane < kRows
+    const std::int64_t row = t * kGroups * kRows + group + kGroups * r;
+    if (lane < kRows && row < rows) {
+      bp.delta[row] = my_s;
+      if (fixed) {
+        std::int64_t i = 0, h = 0, b = 0;
+        row_coordinates32(p, static_cast<std::uint32_t>(row), i, h, b);
+        set_dq_row_scale(bp, row, b, h, my_g2, my_s);
+      }
+    }
+  };
+  // Two buffers in turn (no copy between them); t is the same in every thread of the block.
+  tile_words x0, x1;
+  std::int64_t t = blockIdx.x;
+  load(t, x0);
+  while (t < tiles) {
+    load(t + gridDim.x, x1);
+    finish(x0, t);
+    t += gridDim.x;
+    if (t >= tiles) break;
+    load(t + gridDim.x, x0);
+    finish(x1, t);
+    t += gridDim.x;
+  }
 }
 
 // dQ in fixed point: max |K| and max_j ||V_j||^2 over the keys of batch z below key_end, per
@@ -220,6 +372,104 @@ __global__ void __launch_bounds__(kDeltaThreads) kv_bounds_kernel(const backward
   }
 }
 
+// The same bounds for D = Dv = kD in {64, 128}, by a grid of a few blocks per SM: the keys of
+// every (batch, key/value head) pair in tiles of kGroups · 2 / (kD / 64) keys, each block
+// walking a contiguous run of tiles and loading its next tile (four 16-byte loads per thread)
+// before it takes this one's maxima, which it hands to the pair's words whenever its run moves
+// to the next pair. A key's ||V_j||^2 adds its terms in the order above: the same bounds.
+template <class T, int kD>
+__global__ void __launch_bounds__(kDeltaThreads)
+    kv_bounds_pipelined_kernel(const backward_params bp) {
+  static_assert(kD == 64 || kD == 128);
+  const kernel_params& p = bp.fwd;
+  constexpr int kGroups = kDeltaThreads / kDeltaLanes;  // keys side by side
+  constexpr int kChunks = kD / (8 * kDeltaLanes);       // 16-byte loads per key and tensor
+  constexpr int kKeys = 2 / kChunks;                    // keys per lane group and tile
+  constexpr std::int64_t kTileKeys = kGroups * kKeys;
+  const std::int64_t per_pair = (p.len_k + kTileKeys - 1) / kTileKeys;
+  const std::int64_t tiles = p.batch * p.heads_k * per_pair;
+  const std::int64_t t0 = tiles * blockIdx.x / gridDim.x, t1 = tiles * (blockIdx.x + 1) / gridDim.x;
+  const int lane = static_cast<int>(threadIdx.x % kDeltaLanes);
+  const std::int64_t group = threadIdx.x / kDeltaLanes;
+  struct tile_words {
+    raw8<T> k[kKeys][kChunks], v[kKeys][kChunks];
+  };
+  // Keys kt kTileKeys + group + kGroups u of the pair's tile kt; those at or past key_end, and
+  // every key of a tile that is not `live`, read as 0 (nothing to either bound).
+  const auto load = [&](std::int64_t t, bool live, tile_words& x) {
+    const auto tu = static_cast<std::uint32_t>(t), per = static_cast<std::uint32_t>(per_pair);
+    const auto hks = static_cast<std::uint32_t>(p.heads_k);
+    const std::int64_t kt = tu % per, b = tu / per / hks, hk = tu / per % hks;
+    const std::int64_t end = live ? p.mask.key_end(b) : 0;
+    const T* gk = static_cast<const T*>(p.k) + b * p.k_stride[0] + hk * p.k_stride[1];
+    const T* gv = static_cast<const T*>(p.v) + b * p.v_stride[0] + hk * p.v_stride[1];
+#pragma unroll
+    for (int u = 0; u < kKeys; ++u) {
+      const std::int64_t j = kt * kTileKeys + group + kGroups * u;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        x.k[u][c] = x.v[u][c] = zero_raw8<T>();
+        if (j < end) {
+          x.k[u][c] = load_raw8(gk + j * p.k_stride[2] + 8 * (lane + kDeltaLanes * c));
+          x.v[u][c] = load_raw8(gv + j * p.v_stride[2] + 8 * (lane + kDeltaLanes * c));
+        }
+      }
+    }
+  };
+  // This block's maxima for one pair into its two words.
+  const auto hand_over = [&](std::int64_t pair, float k_max, float v_max) {
+    for (int off = 16; off > 0; off /= 2) {
+      k_max = fmaxf(k_max, __shfl_xor_sync(kFullWarp, k_max, off));
+      v_max = fmaxf(v_max, __shfl_xor_sync(kFullWarp, v_max, off));
+    }
+    if (threadIdx.x % 32 == 0) {
+      atomicMax(bp.kv_bounds + pair * 2, __float_as_uint(k_max));
+      atomicMax(bp.kv_bounds + pair * 2 + 1, __float_as_uint(v_max));
+    }
+  };
+  if (t0 >= t1) return;  // the same for the whole block
+  float k_max = 0.f, v_max = 0.f;
+  std::int64_t pair = static_cast<std::uint32_t>(t0) / static_cast<std::uint32_t>(per_pair);
+  // Tile t's keys into the maxima, the last pair's handed over first if t starts another.
+  const auto take = [&](const tile_words& x, std::int64_t t) {
+    const std::int64_t here = static_cast<std::uint32_t>(t) / static_cast<std::uint32_t>(per_pair);
+    if (here != pair) {
+      hand_over(pair, k_max, v_max);
+      k_max = v_max = 0.f;
+      pair = here;
+    }
+#pragma unroll
+    for (int u = 0; u < kKeys; ++u) {
+      float v2 = 0.f;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        float xk[8], xv[8];
+        unpack8(x.k[u][c], xk);
+        unpack8(x.v[u][c], xv);
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (isfinite(xk[e])) k_max = fmaxf(k_max, fabsf(xk[e]));
+#pragma unroll
+        for (int e = 0; e < 8; ++e)
+          if (isfinite(xv[e])) v2 = fmaf(xv[e], xv[e], v2);
+      }
+      v_max = fmaxf(v_max, lane_group_sum<kDeltaLanes>(v2));
+    }
+  };
+  // Two buffers in turn, as in delta_rows_pipelined_kernel.
+  tile_words x0, x1;
+  load(t0, true, x0);
+  for (std::int64_t t = t0;;) {
+    load(t + 1, t + 1 < t1, x1);
+    take(x0, t);
+    if (++t >= t1) break;
+    load(t + 1, t + 1 < t1, x0);
+    take(x1, t);
+    if (++t >= t1) break;
+  }
+  hand_over(pair, k_max, v_max);
+}
+
 template <class T>
 cudaError_t launch_kv_bounds(const backward_params& bp, cudaStream_t stream) {
   const kernel_params& p = bp.fwd;
@@ -227,6 +477,19 @@ cudaError_t launch_kv_bounds(const backward_params& bp, cudaStream_t stream) {
   if (e != cudaSuccess || p.len_k == 0) return e;
   const dim3 grid(static_cast<unsigned>((p.len_k + kBoundKeys - 1) / kBoundKeys),
                   static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
+  const std::int64_t d = p.head_dim == p.head_dim_v ? p.head_dim : 0;
+  const std::int64_t tile_keys = kDeltaThreads / kDeltaLanes * (d == 64 ? 2 : 1);
+  const std::int64_t tiles = p.batch * p.heads_k * ((p.len_k + tile_keys - 1) / tile_keys);
+  if ((d == 64 || d == 128) && tiles < std::int64_t(UINT32_MAX)) {
+    const std::int64_t cap = std::int64_t(sm_count()) * kPipelinedBlocksPerSm;
+    const auto blocks = static_cast<unsigned>(tiles < cap ? tiles : cap);
+    if (d == 64) {
+      kv_bounds_pipelined_kernel<T, 64><<<blocks, kDeltaThreads, 0, stream>>>(bp);
+    } else {
+      kv_bounds_pipelined_kernel<T, 128><<<blocks, kDeltaThreads, 0, stream>>>(bp);
+    }
+    return cudaGetLastError();
+  }
   kv_bounds_kernel<T><<<grid, kDeltaThreads, 0, stream>>>(bp);
   return cudaGetLastError();
 }
@@ -241,6 +504,19 @@ bool rows_of_16_bytes(const void* data, const std::int64_t (&stride)[4], elem e)
 
 template <class TO, class TdO>
 void launch_delta_rows(const backward_params& bp, std::int64_t rows, cudaStream_t stream) {
+  const std::int64_t dv = bp.fwd.head_dim_v;
+  if ((dv == 64 || dv == 128) && rows < std::int64_t(UINT32_MAX) / 2) {
+    const std::int64_t tile_rows = kDeltaThreads / kDeltaLanes * (128 / dv);
+    const std::int64_t tiles = (rows + tile_rows - 1) / tile_rows;
+    const std::int64_t cap = std::int64_t(sm_count()) * kPipelinedBlocksPerSm;
+    const auto blocks = static_cast<unsigned>(tiles < cap ? tiles : cap);
+    if (dv == 64) {
+      delta_rows_pipelined_kernel<TO, TdO, 64><<<blocks, kDeltaThreads, 0, stream>>>(bp);
+    } else {
+      delta_rows_pipelined_kernel<TO, TdO, 128><<<blocks, kDeltaThreads, 0, stream>>>(bp);
+    }
+    return;
+  }
   const std::int64_t per_block = kDeltaThreads / kDeltaLanes;
   delta_rows_kernel<TO, TdO>
       <<<static_cast<unsigned>((rows + per_block - 1) / per_block), kDeltaThreads, 0, stream>>>(bp);

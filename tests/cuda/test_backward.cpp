@@ -381,6 +381,7 @@ namespace {
 struct device_entry_result {
   std::size_t workspace = 0;
   std::vector<float> dq, dk, dv;
+  std::vector<std::uint8_t> workspace_after;  // the caller's workspace as the call left it
 };
 
 // The device entry on d's problem, O, LSE and dO (bf16 in and out, [B, L, H, D], a stream; the
@@ -438,6 +439,11 @@ device_entry_result run_device_entry(problem_data& d, fc::kernel_choice kernel,
   fc::attention_backward(dp, stream);
   cuda_check(cudaStreamSynchronize(stream));
   cuda_check(cudaStreamDestroy(stream));
+  std::vector<std::uint8_t> workspace_after;
+  if (caller_workspace) {
+    workspace_after.resize(workspace);
+    cuda_check(cudaMemcpy(workspace_after.data(), dp.workspace, workspace, cudaMemcpyDeviceToHost));
+  }
 
   // Back to the host views, (B, L, H, X) bf16 -> (B, H, L, X) float32.
   const auto fetch = [&](const fc::device_tensor<4>& t, const flashref::strided<float, 4>& view) {
@@ -454,7 +460,7 @@ device_entry_result run_device_entry(problem_data& d, fc::kernel_choice kernel,
   fetch(dp.d_q, g.dq);
   fetch(dp.d_k, g.dk);
   fetch(dp.d_v, g.dv);
-  return {workspace, as_vector(d.dq), as_vector(d.dk), as_vector(d.dv)};
+  return {workspace, as_vector(d.dq), as_vector(d.dk), as_vector(d.dv), std::move(workspace_after)};
 }
 
 // The device entry on `s` (run_device_entry), judged against the golden gradients.
@@ -488,39 +494,56 @@ TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, 
   REQUIRE(check_device_entry(s, kernel, caller_workspace, deterministic).workspace > 0);
 }
 
+// max |K| and max_j ||V_j||^2 of each batch entry and key/value head (B, Hk) of d, a bhld
+// problem, over the keys below kv_len, from the bf16 values the device entry uploads.
+struct kv_maxima {
+  double k_max = 0., v2_max = 0.;
+};
+std::vector<kv_maxima> fixed_point_kv_maxima(const problem_data& d) {
+  const auto r = [](float x) { return double(from_bf16_bits(bf16_bits(x))); };
+  const auto& ks = d.k.shape();
+  const std::size_t B = ks[0], Hk = ks[1], Lk = ks[2], D = ks[3];
+  std::vector<kv_maxima> out(B * Hk);
+  for (std::size_t b = 0; b < B; ++b) {
+    const std::size_t end =
+        d.opt.kv_len.empty() ? Lk : std::min<std::size_t>(Lk, std::size_t(d.opt.kv_len[b]));
+    for (std::size_t hk = 0; hk < Hk; ++hk) {
+      kv_maxima& m = out[b * Hk + hk];
+      for (std::size_t j = 0; j < end; ++j) {
+        double v2 = 0.;
+        for (std::size_t x = 0; x < D; ++x) {
+          m.k_max = std::max(m.k_max, std::fabs(r(d.k(b, hk, j, x))));
+          v2 += r(d.v(b, hk, j, x)) * r(d.v(b, hk, j, x));
+        }
+        m.v2_max = std::max(m.v2_max, v2);
+      }
+    }
+  }
+  return out;
+}
+
 // bound_i of backward.cuh ("dQ in fixed point") for each query row (B, Hq, Lq) of d, a bhld
 // problem, from the bf16 values the device entry uploads: max|K| (|| dO_i || max_j ||V_j|| +
 // |Delta_i|), the maxima over the batch's keys below kv_len, per key/value head.
 std::vector<double> fixed_point_bounds(const problem_data& d) {
   const auto r = [](float x) { return double(from_bf16_bits(bf16_bits(x))); };
   const auto& qs = d.q.shape();
-  const auto& ks = d.k.shape();
-  const std::size_t B = qs[0], Hq = qs[1], Lq = qs[2], Hk = ks[1], Lk = ks[2], D = ks[3];
+  const std::size_t B = qs[0], Hq = qs[1], Lq = qs[2], Hk = d.k.shape()[1], D = qs[3];
+  const std::vector<kv_maxima> kv = fixed_point_kv_maxima(d);
   std::vector<double> bound(B * Hq * Lq);
-  for (std::size_t b = 0; b < B; ++b) {
-    const std::size_t end =
-        d.opt.kv_len.empty() ? Lk : std::min<std::size_t>(Lk, std::size_t(d.opt.kv_len[b]));
-    for (std::size_t hk = 0; hk < Hk; ++hk) {
-      double k_max = 0., v_max = 0.;
-      for (std::size_t j = 0; j < end; ++j) {
-        double v2 = 0.;
+  for (std::size_t b = 0; b < B; ++b)
+    for (std::size_t h = 0; h < Hq; ++h) {
+      const kv_maxima& m = kv[b * Hk + h / (Hq / Hk)];
+      for (std::size_t i = 0; i < Lq; ++i) {
+        double g2 = 0., delta = 0.;
         for (std::size_t x = 0; x < D; ++x) {
-          k_max = std::max(k_max, std::fabs(r(d.k(b, hk, j, x))));
-          v2 += r(d.v(b, hk, j, x)) * r(d.v(b, hk, j, x));
+          g2 += r(d.d_o(b, h, i, x)) * r(d.d_o(b, h, i, x));
+          delta += r(d.d_o(b, h, i, x)) * r(d.o(b, h, i, x));
         }
-        v_max = std::max(v_max, std::sqrt(v2));
+        bound[(b * Hq + h) * Lq + i] =
+            m.k_max * (std::sqrt(g2) * std::sqrt(m.v2_max) + std::fabs(delta));
       }
-      for (std::size_t h = hk * (Hq / Hk); h < (hk + 1) * (Hq / Hk); ++h)
-        for (std::size_t i = 0; i < Lq; ++i) {
-          double g2 = 0., delta = 0.;
-          for (std::size_t x = 0; x < D; ++x) {
-            g2 += r(d.d_o(b, h, i, x)) * r(d.d_o(b, h, i, x));
-            delta += r(d.d_o(b, h, i, x)) * r(d.o(b, h, i, x));
-          }
-          bound[(b * Hq + h) * Lq + i] = k_max * (std::sqrt(g2) * v_max + std::fabs(delta));
-        }
     }
-  }
   return bound;
 }
 
@@ -587,6 +610,83 @@ TEST_CASE("cuda backward: the hopper dQ beside dK and dV, in fixed point and in 
   const device_entry_result again =
       run_device_entry(d, fc::kernel_choice::hopper, !caller_workspace, true);
   REQUIRE(same_bits(again.dq, fixed.dq));
+}
+
+// What the pre-passes leave in the workspace for fixed point (backward.cpp: Delta, the dQ sums,
+// the rows' flags and scales, the bounds of each batch and key/value head, in 256-byte pieces),
+// read back and held to the host's float64 from the same bf16 values: max |K| exactly (a maximum
+// of representable values), max_j ||V_j||^2 and each Delta_i to float32's rounding of their
+// sums, each row's scale the power of two that puts its bound in [2^28, 2^29), no row flagged.
+// Key counts that end inside a block's 256 keys and inside a round of keys (kv_len cuts a batch
+// short), GQA, D = 64 and 128 (simt_backward.cu, kv_bounds_kernel and delta_rows_kernel).
+TEST_CASE("cuda backward: fixed point's bounds, Delta and row scales in the workspace",
+          "[cuda][backward]") {
+  if (!hopper_backward_device()) return;
+  problem_shape s;
+  s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 70, s.Lk = 8200 + GENERATE(0, 37), s.use_kv_len = true;
+  s.D = s.Dv = GENERATE(64, 128);
+  CAPTURE(s.describe());
+  problem_data d = flashref::test::build({"fixed-point bounds", s, 76}, input_dtype::bfloat16);
+  fc::attention(d.problem());
+  flashref::test::add_upstream_gradient(d, 76);
+  const device_entry_result r = run_device_entry(d, fc::kernel_choice::hopper, true, true);
+  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
+      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+  const auto pieces = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const std::size_t rows = std::size_t(s.B * s.Hq * s.Lq), pairs = std::size_t(s.B * s.Hk);
+  const std::size_t row_piece = pieces(rows * 4), bounds_piece = pieces(pairs * 8);
+  // Delta, the sums, flags, scales, bounds, and 256 bytes of alignment slack.
+  REQUIRE(r.workspace_after.size() == r.workspace);
+  REQUIRE(r.workspace > 3 * row_piece + bounds_piece + 256);
+  const std::size_t sums = r.workspace - 3 * row_piece - bounds_piece - 256;
+  REQUIRE(sums >= rows * std::size_t(s.D) * 4);
+  const auto words = [&](std::size_t offset, std::size_t n) {
+    std::vector<std::uint32_t> w(n);
+    std::memcpy(w.data(), r.workspace_after.data() + offset, n * 4);
+    return w;
+  };
+  const auto as_float = [](std::uint32_t w) {
+    float f;
+    std::memcpy(&f, &w, 4);
+    return f;
+  };
+  const std::vector<std::uint32_t> delta = words(0, rows);
+  const std::vector<std::uint32_t> flags = words(row_piece + sums, rows);
+  const std::vector<std::uint32_t> scales = words(2 * row_piece + sums, rows);
+  const std::vector<std::uint32_t> bounds = words(3 * row_piece + sums, 2 * pairs);
+
+  // The host's side, from the bf16 values the device read.
+  const auto bf = [](float x) { return double(from_bf16_bits(bf16_bits(x))); };
+  const std::size_t Lq = std::size_t(s.Lq), D = std::size_t(s.D), Hq = std::size_t(s.Hq);
+  const std::vector<kv_maxima> kv = fixed_point_kv_maxima(d);
+  for (std::size_t pair = 0; pair < pairs; ++pair) {
+    CAPTURE(pair, kv[pair].k_max, kv[pair].v2_max);
+    REQUIRE(double(as_float(bounds[2 * pair])) == kv[pair].k_max);
+    REQUIRE(std::fabs(double(as_float(bounds[2 * pair + 1])) - kv[pair].v2_max) <=
+            1e-5 * kv[pair].v2_max);
+  }
+  const std::vector<double> bound = fixed_point_bounds(d);
+  for (std::size_t n = 0; n < rows; ++n) {
+    const std::size_t i = n % Lq, h = n / Lq % Hq, b = n / (Lq * Hq);
+    double dot = 0., magnitude = 0.;
+    for (std::size_t x = 0; x < D; ++x) {
+      dot += bf(d.d_o(b, h, i, x)) * bf(d.o(b, h, i, x));
+      magnitude += std::fabs(bf(d.d_o(b, h, i, x)) * bf(d.o(b, h, i, x)));
+    }
+    const double scaled = double(as_float(scales[n])) * bound[n];
+    CAPTURE(n, b, h, i, dot, as_float(delta[n]), as_float(scales[n]), bound[n]);
+    // Sums of D terms in float32: within D 2^-24 of the terms' magnitudes (under 1e-5).
+    REQUIRE(std::fabs(double(as_float(delta[n])) - dot) <= 1e-5 * magnitude);
+    REQUIRE(flags[n] == 0u);
+    if (bound[n] == 0.) {  // a batch entry that sees no key (kv_len 0): every part is 0
+      REQUIRE(as_float(scales[n]) == 1.f);
+      continue;
+    }
+    // The device's bound is float32's rounding of the same expression: a relative 1e-4 either
+    // side of the power-of-two window, far less than the factor of 2 a wrong scale would be off.
+    REQUIRE(scaled >= std::ldexp(1.0 - 1e-4, 28));
+    REQUIRE(scaled < std::ldexp(1.0 + 1e-4, 29));
+  }
 }
 
 // The dK, dV kernel with dQ beside it issues a query tile's first products before the last
