@@ -99,31 +99,6 @@ __global__ void delta_kernel(const backward_params bp) {
 constexpr int kDeltaLanes = 8;
 constexpr int kDeltaThreads = 256;  // 32 rows per block
 
-// Columns [0, 8) from src (16-byte aligned) as floats: one 16-byte load, two for float32.
-__device__ __forceinline__ void load8(const float* src, float (&x)[8]) {
-  const float4 a = __ldg(reinterpret_cast<const float4*>(src));
-  const float4 b = __ldg(reinterpret_cast<const float4*>(src) + 1);
-  x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
-}
-template <class T>
-__device__ __forceinline__ void load8(const T* src, float (&x)[8]) {
-  const uint4 w = __ldg(reinterpret_cast<const uint4*>(src));
-  const T* e = reinterpret_cast<const T*>(&w);
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    x[i] = to_float(e[i]);
-}
-
-// The sum over each group of kLanes consecutive lanes of the warp (a butterfly; every lane of the
-// warp calls it), in an order fixed by the lanes alone.
-template <int kLanes>
-__device__ __forceinline__ float lane_group_sum(float v) {
-#pragma unroll
-  for (int off = kLanes / 2; off > 0; off /= 2)
-    v += __shfl_xor_sync(kFullWarp, v, off);
-  return v;
-}
-
 // Columns [0, 8) kept as loaded (one 16-byte word; two for float32) until they are used: a
 // thread holding several loads in flight spends 4 registers on each, not 8.
 template <class T>
@@ -163,6 +138,45 @@ __device__ __forceinline__ void unpack8(const raw8<float>& r, float (&x)[8]) {
   x[4] = r.b.x, x[5] = r.b.y, x[6] = r.b.z, x[7] = r.b.w;
 }
 
+// Columns [0, 8) from src (16-byte aligned) as floats: one 16-byte load, two for float32.
+template <class T>
+__device__ __forceinline__ void load8(const T* src, float (&x)[8]) {
+  unpack8(load_raw8(src), x);
+}
+
+// One chunk of 8 columns into a row's sums: Delta's dO · O and ||dO||^2 (elements ascending:
+// every Delta kernel adds its terms through this, in the same order).
+__device__ __forceinline__ void add_delta8(const float (&o)[8], const float (&d_o)[8], float& s,
+                                           float& g2) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    s = fmaf(d_o[e], o[e], s);
+    g2 = fmaf(d_o[e], d_o[e], g2);
+  }
+}
+// Fixed point's bounds from one chunk of a key's K and one of its V: max |K| into k_max and
+// the lane's share of ||V_j||^2 into v2, NaN and inf left out (they flag the rows they reach).
+__device__ __forceinline__ void add_k_bound8(const float (&k)[8], float& k_max) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    if (isfinite(k[e])) k_max = fmaxf(k_max, fabsf(k[e]));
+}
+__device__ __forceinline__ void add_v_bound8(const float (&v)[8], float& v2) {
+#pragma unroll
+  for (int e = 0; e < 8; ++e)
+    if (isfinite(v[e])) v2 = fmaf(v[e], v[e], v2);
+}
+
+// The sum over each group of kLanes consecutive lanes of the warp (a butterfly; every lane of the
+// warp calls it), in an order fixed by the lanes alone.
+template <int kLanes>
+__device__ __forceinline__ float lane_group_sum(float v) {
+#pragma unroll
+  for (int off = kLanes / 2; off > 0; off /= 2)
+    v += __shfl_xor_sync(kFullWarp, v, off);
+  return v;
+}
+
 // Row `row` of (B, Hq, Lq) as (i, h, b) where the rows number below 2^32 (the pipelined kernels'
 // launch condition): 32-bit divisions only, no 64-bit division's call inside their loops.
 __device__ __forceinline__ void row_coordinates32(const kernel_params& p, std::uint32_t row,
@@ -198,11 +212,7 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_rows_kernel(const backwar
       float xo[8], xd[8];
       load8(o + c, xo);
       load8(d_o + c, xd);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        s = fmaf(xd[e], xo[e], s);
-        g2 = fmaf(xd[e], xd[e], g2);
-      }
+      add_delta8(xo, xd, s, g2);
     }
   }
   s = lane_group_sum<kDeltaLanes>(s);
@@ -222,14 +232,25 @@ __global__ void __launch_bounds__(kDeltaThreads) delta_rows_kernel(const backwar
 // One row per short-lived block left the kernel at about half of the memory bandwidth (ncu,
 // 134 MB of O and dO at L = 16384), whatever the loads in flight per thread.
 constexpr int kPipelinedBlocksPerSm = 3;  // resident at up to 85 registers a thread
+// Rows of a tile of delta_rows_pipelined_kernel, keys of one of kv_bounds_pipelined_kernel:
+// 128 / d per lane group, each with d / 64 16-byte words of two tensors (O and dO, or K and V),
+// so that every thread loads four words per tile.
+constexpr std::int64_t pipelined_tile(std::int64_t d) {
+  return kDeltaThreads / kDeltaLanes * (128 / d);
+}
+// The pipelined kernels' grid: a few blocks per SM, or one per tile where there are fewer.
+unsigned pipelined_blocks(std::int64_t tiles) {
+  const std::int64_t cap = std::int64_t(sm_count()) * kPipelinedBlocksPerSm;
+  return static_cast<unsigned>(tiles < cap ? tiles : cap);
+}
 template <class TO, class TdO, int kDv>
 __global__ void __launch_bounds__(kDeltaThreads)
     delta_rows_pipelined_kernel(const backward_params bp) {
   static_assert(kDv == 64 || kDv == 128);
   const kernel_params& p = bp.fwd;
   constexpr int kGroups = kDeltaThreads / kDeltaLanes;
-  constexpr int kRows = 128 / kDv;                  // rows per lane group and tile
-  constexpr int kChunks = kDv / (8 * kDeltaLanes);  // 16-byte loads per row and tensor
+  constexpr int kRows = pipelined_tile(kDv) / kGroups;  // rows per lane group and tile
+  constexpr int kChunks = kDv / (8 * kDeltaLanes);      // 16-byte loads per row and tensor
   const std::int64_t rows = p.batch * p.heads_q * p.len_q;
   const std::int64_t tiles = (rows + kGroups * kRows - 1) / (kGroups * kRows);
   const int lane = static_cast<int>(threadIdx.x % kDeltaLanes);
@@ -278,11 +299,7 @@ __global__ void __launch_bounds__(kDeltaThreads)
         float xo[8], xd[8];
         unpack8(x.o[r][c], xo);
         unpack8(x.d_o[r][c], xd);
-#pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          s[r] = fmaf(xd[e], xo[e], s[r]);
-          g2[r] = fmaf(xd[e], xd[e], g2[r]);
-        }
+        add_delta8(xo, xd, s[r], g2[r]);
       }
       s[r] = lane_group_sum<kDeltaLanes>(s[r]);
       if (fixed) g2[r] = lane_group_sum<kDeltaLanes>(g2[r]);
@@ -346,16 +363,12 @@ __global__ void __launch_bounds__(kDeltaThreads) kv_bounds_kernel(const backward
       for (std::int64_t c = 8 * lane; c < p.head_dim; c += 8 * kDeltaLanes) {
         float x[8];
         load8(gk + j * p.k_stride[2] + c, x);
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          if (isfinite(x[e])) k_max = fmaxf(k_max, fabsf(x[e]));
+        add_k_bound8(x, k_max);
       }
       for (std::int64_t c = 8 * lane; c < p.head_dim_v; c += 8 * kDeltaLanes) {
         float x[8];
         load8(gv + j * p.v_stride[2] + c, x);
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          if (isfinite(x[e])) v2 = fmaf(x[e], x[e], v2);
+        add_v_bound8(x, v2);
       }
     }
     v_max = fmaxf(v_max, lane_group_sum<kDeltaLanes>(v2));  // inf where finite values overflow:
@@ -373,7 +386,7 @@ __global__ void __launch_bounds__(kDeltaThreads) kv_bounds_kernel(const backward
 }
 
 // The same bounds for D = Dv = kD in {64, 128}, by a grid of a few blocks per SM: the keys of
-// every (batch, key/value head) pair in tiles of kGroups · 2 / (kD / 64) keys, each block
+// every (batch, key/value head) pair in tiles of pipelined_tile(kD) keys, each block
 // walking a contiguous run of tiles and loading its next tile (four 16-byte loads per thread)
 // before it takes this one's maxima, which it hands to the pair's words whenever its run moves
 // to the next pair. A key's ||V_j||^2 adds its terms in the order above: the same bounds.
@@ -384,8 +397,8 @@ __global__ void __launch_bounds__(kDeltaThreads)
   const kernel_params& p = bp.fwd;
   constexpr int kGroups = kDeltaThreads / kDeltaLanes;  // keys side by side
   constexpr int kChunks = kD / (8 * kDeltaLanes);       // 16-byte loads per key and tensor
-  constexpr int kKeys = 2 / kChunks;                    // keys per lane group and tile
-  constexpr std::int64_t kTileKeys = kGroups * kKeys;
+  constexpr std::int64_t kTileKeys = pipelined_tile(kD);
+  constexpr int kKeys = kTileKeys / kGroups;  // keys per lane group and tile
   const std::int64_t per_pair = (p.len_k + kTileKeys - 1) / kTileKeys;
   const std::int64_t tiles = p.batch * p.heads_k * per_pair;
   const std::int64_t t0 = tiles * blockIdx.x / gridDim.x, t1 = tiles * (blockIdx.x + 1) / gridDim.x;
@@ -446,12 +459,8 @@ __global__ void __launch_bounds__(kDeltaThreads)
         float xk[8], xv[8];
         unpack8(x.k[u][c], xk);
         unpack8(x.v[u][c], xv);
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          if (isfinite(xk[e])) k_max = fmaxf(k_max, fabsf(xk[e]));
-#pragma unroll
-        for (int e = 0; e < 8; ++e)
-          if (isfinite(xv[e])) v2 = fmaf(xv[e], xv[e], v2);
+        add_k_bound8(xk, k_max);
+        add_v_bound8(xv, v2);
       }
       v_max = fmaxf(v_max, lane_group_sum<kDeltaLanes>(v2));
     }
@@ -475,14 +484,11 @@ cudaError_t launch_kv_bounds(const backward_params& bp, cudaStream_t stream) {
   const kernel_params& p = bp.fwd;
   cudaError_t e = cudaMemsetAsync(bp.kv_bounds, 0, std::size_t(p.batch * p.heads_k) * 8, stream);
   if (e != cudaSuccess || p.len_k == 0) return e;
-  const dim3 grid(static_cast<unsigned>((p.len_k + kBoundKeys - 1) / kBoundKeys),
-                  static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
   const std::int64_t d = p.head_dim == p.head_dim_v ? p.head_dim : 0;
-  const std::int64_t tile_keys = kDeltaThreads / kDeltaLanes * (d == 64 ? 2 : 1);
-  const std::int64_t tiles = p.batch * p.heads_k * ((p.len_k + tile_keys - 1) / tile_keys);
-  if ((d == 64 || d == 128) && tiles < std::int64_t(UINT32_MAX)) {
-    const std::int64_t cap = std::int64_t(sm_count()) * kPipelinedBlocksPerSm;
-    const auto blocks = static_cast<unsigned>(tiles < cap ? tiles : cap);
+  const std::int64_t keys = d == 64 || d == 128 ? pipelined_tile(d) : 0;
+  const std::int64_t tiles = keys > 0 ? p.batch * p.heads_k * ((p.len_k + keys - 1) / keys) : 0;
+  if (keys > 0 && tiles < std::int64_t(UINT32_MAX)) {  // 32-bit tile indices in the kernel
+    const unsigned blocks = pipelined_blocks(tiles);
     if (d == 64) {
       kv_bounds_pipelined_kernel<T, 64><<<blocks, kDeltaThreads, 0, stream>>>(bp);
     } else {
@@ -490,6 +496,8 @@ cudaError_t launch_kv_bounds(const backward_params& bp, cudaStream_t stream) {
     }
     return cudaGetLastError();
   }
+  const dim3 grid(static_cast<unsigned>((p.len_k + kBoundKeys - 1) / kBoundKeys),
+                  static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
   kv_bounds_kernel<T><<<grid, kDeltaThreads, 0, stream>>>(bp);
   return cudaGetLastError();
 }
@@ -506,10 +514,8 @@ template <class TO, class TdO>
 void launch_delta_rows(const backward_params& bp, std::int64_t rows, cudaStream_t stream) {
   const std::int64_t dv = bp.fwd.head_dim_v;
   if ((dv == 64 || dv == 128) && rows < std::int64_t(UINT32_MAX) / 2) {
-    const std::int64_t tile_rows = kDeltaThreads / kDeltaLanes * (128 / dv);
-    const std::int64_t tiles = (rows + tile_rows - 1) / tile_rows;
-    const std::int64_t cap = std::int64_t(sm_count()) * kPipelinedBlocksPerSm;
-    const auto blocks = static_cast<unsigned>(tiles < cap ? tiles : cap);
+    const std::int64_t tile_rows = pipelined_tile(dv);
+    const unsigned blocks = pipelined_blocks((rows + tile_rows - 1) / tile_rows);
     if (dv == 64) {
       delta_rows_pipelined_kernel<TO, TdO, 64><<<blocks, kDeltaThreads, 0, stream>>>(bp);
     } else {

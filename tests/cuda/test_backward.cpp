@@ -494,13 +494,18 @@ TEST_CASE("cuda backward device entry: bf16 in and out, [B, L, H, D], a stream, 
   REQUIRE(check_device_entry(s, kernel, caller_workspace, deterministic).workspace > 0);
 }
 
+// x as the device sees it once uploaded in bf16, in float64.
+double as_uploaded(float x) {
+  return double(from_bf16_bits(bf16_bits(x)));
+}
+
 // max |K| and max_j ||V_j||^2 of each batch entry and key/value head (B, Hk) of d, a bhld
 // problem, over the keys below kv_len, from the bf16 values the device entry uploads.
 struct kv_maxima {
   double k_max = 0., v2_max = 0.;
 };
 std::vector<kv_maxima> fixed_point_kv_maxima(const problem_data& d) {
-  const auto r = [](float x) { return double(from_bf16_bits(bf16_bits(x))); };
+  const auto r = as_uploaded;
   const auto& ks = d.k.shape();
   const std::size_t B = ks[0], Hk = ks[1], Lk = ks[2], D = ks[3];
   std::vector<kv_maxima> out(B * Hk);
@@ -526,7 +531,7 @@ std::vector<kv_maxima> fixed_point_kv_maxima(const problem_data& d) {
 // problem, from the bf16 values the device entry uploads: max|K| (|| dO_i || max_j ||V_j|| +
 // |Delta_i|), the maxima over the batch's keys below kv_len, per key/value head.
 std::vector<double> fixed_point_bounds(const problem_data& d) {
-  const auto r = [](float x) { return double(from_bf16_bits(bf16_bits(x))); };
+  const auto r = as_uploaded;
   const auto& qs = d.q.shape();
   const std::size_t B = qs[0], Hq = qs[1], Lq = qs[2], Hk = d.k.shape()[1], D = qs[3];
   const std::vector<kv_maxima> kv = fixed_point_kv_maxima(d);
@@ -617,8 +622,8 @@ TEST_CASE("cuda backward: the hopper dQ beside dK and dV, in fixed point and in 
 // read back and held to the host's float64 from the same bf16 values: max |K| exactly (a maximum
 // of representable values), max_j ||V_j||^2 and each Delta_i to float32's rounding of their
 // sums, each row's scale the power of two that puts its bound in [2^28, 2^29), no row flagged.
-// Key counts that end inside a block's 256 keys and inside a round of keys (kv_len cuts a batch
-// short), GQA, D = 64 and 128 (simt_backward.cu, kv_bounds_kernel and delta_rows_kernel).
+// Key counts that end inside a tile of keys (kv_len cuts a batch short), GQA, D = 64 and 128
+// (simt_backward.cu, kv_bounds_pipelined_kernel and delta_rows_pipelined_kernel).
 TEST_CASE("cuda backward: fixed point's bounds, Delta and row scales in the workspace",
           "[cuda][backward]") {
   if (!hopper_backward_device()) return;
@@ -656,7 +661,7 @@ TEST_CASE("cuda backward: fixed point's bounds, Delta and row scales in the work
   const std::vector<std::uint32_t> bounds = words(3 * row_piece + sums, 2 * pairs);
 
   // The host's side, from the bf16 values the device read.
-  const auto bf = [](float x) { return double(from_bf16_bits(bf16_bits(x))); };
+  const auto bf = as_uploaded;
   const std::size_t Lq = std::size_t(s.Lq), D = std::size_t(s.D), Hq = std::size_t(s.Hq);
   const std::vector<kv_maxima> kv = fixed_point_kv_maxima(d);
   for (std::size_t pair = 0; pair < pairs; ++pair) {
