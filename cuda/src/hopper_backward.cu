@@ -6,7 +6,9 @@
 //    producer warp loads K and V once and walks the query heads of the GQA group and, for each,
 //    only the query tiles that see the block's keys (query_tile_walker), loading Q and dO by TMA
 //    and the rows' LSE and Delta into a ring of stages; each consumer warpgroup holds dK and dV
-//    of its 64 keys in registers (hopper/backward.cuh has the products).
+//    of its 64 keys in registers (hopper/backward.cuh has the products). At D = 64 where the
+//    walks are short (a block mask, or few keys) the same pass runs as "pair blocks": one
+//    consumer warpgroup per 64 keys, two blocks per SM (dkdv_pass_t's kC, launch below).
 //  - dQ: a block per 128 query rows of one (batch, head), the forward's structure: Q and dO
 //    loaded once, the key tiles the rows see (tile_walker) streaming K and V.
 //
@@ -174,22 +176,23 @@ struct bwd_layout {
 
 // --- dK, dV ------------------------------------------------------------------------------------
 
-// Resident K (tile 0) and V (tile 1) of 128 keys; stages of Q (tile 0) and dO (tile 1).
-template <int kD>
-using dkdv_layout = bwd_layout<kBwdKeys, kBwdRows, kD>;
+// Resident K (tile 0) and V (tile 1) of the block's kKeys keys (64 per consumer); stages of Q
+// (tile 0) and dO (tile 1).
+template <int kD, int kKeys = kBwdKeys>
+using dkdv_layout = bwd_layout<kKeys, kBwdRows, kD>;
 
-// With dQ: a buffer of dSᵀ (128 keys x 64 query columns, a box) and the chunk of dQ the copy
-// engine adds to the sums in global memory (kDqChunkFloats floats; at D = 64 one per consumer),
-// past the last stage of dO: 209 KiB in all at D = 128 with 3 stages. One dSᵀ buffer suffices:
-// a consumer stores the next tile's dSᵀ only after the hand-over of this tile's chunk, which
-// each consumer reaches after its own dS K product has completed (at D = 128 both meet there,
+// With dQ: a buffer of dSᵀ (the block's keys x 64 query columns, a box) and the chunk of dQ the
+// copy engine adds to the sums in global memory (kDqChunkFloats floats; at D = 64 one per
+// consumer), past the last stage of dO: 209 KiB in all at D = 128 with 3 stages. One dSᵀ buffer
+// suffices: a consumer stores the next tile's dSᵀ only after the hand-over of this tile's chunk,
+// which each consumer reaches after its own dS K product has completed (at D = 128 both meet there,
 // kDqBarrier; at D = 64 each reads only its own rows).
-template <int kD>
-struct dkdvq_layout : dkdv_layout<kD> {
-  using ds_tile = box_tile<kBwdKeys, kBwdRows>;
-  static constexpr int kChunks = kDqOwnKeys<kD> ? kConsumers : 1;
+template <int kD, int kC = kConsumers>
+struct dkdvq_layout : dkdv_layout<kD, 64 * kC> {
+  using ds_tile = box_tile<64 * kC, kBwdRows>;
+  static constexpr int kChunks = kDqOwnKeys<kD> ? kC : 1;
   static constexpr int kSmemBytes =
-      dkdv_layout<kD>::kSmemBytes + ds_tile::kBytes + kChunks * kDqChunkFloats<kD> * 4;
+      dkdv_layout<kD, 64 * kC>::kSmemBytes + ds_tile::kBytes + kChunks * kDqChunkFloats<kD> * 4;
   __device__ unsigned char* ds() const { return this->stage(1, kBwdStages); }
   // Chunk c (0 at D = 128).
   __device__ float* dq(int c) const {
@@ -197,7 +200,7 @@ struct dkdvq_layout : dkdv_layout<kD> {
            c * kDqChunkFloats<kD>;
   }
 
-  __device__ explicit dkdvq_layout(unsigned char* raw) : dkdv_layout<kD>(raw) {}
+  __device__ explicit dkdvq_layout(unsigned char* raw) : dkdv_layout<kD, 64 * kC>(raw) {}
 };
 
 // dSᵀ of this consumer's 64 keys (adS: its A fragments, the accumulator's pairs of query
@@ -228,11 +231,11 @@ __device__ __forceinline__ void store_ds(unsigned char* ds, int key_row0,
 // For consumer c, both operands MN-major: at D = 128, acc (64 queries, columns [64 c, 64 c +
 // 64)) = dS (64 x 128 keys, from the dSᵀ box) K (the resident 128 keys, box c of the head dim);
 // at D = 64, acc (64 queries, 64 columns) = dS K over the consumer's own keys [64 c, 64 c + 64).
-template <class T, int kD>
+template <class T, int kD, int kKeys>
 __device__ __forceinline__ void product_dq(float (&acc)[32], const unsigned char* ds,
                                            const unsigned char* k) {
-  using ds_tile = box_tile<kBwdKeys, kBwdRows>;
-  using k_tile = box_tile<kBwdKeys, kD>;
+  using ds_tile = box_tile<kKeys, kBwdRows>;
+  using k_tile = box_tile<kKeys, kD>;
   // The consumer (warpgroup - 1) read in place: its 8 descriptors of K's box are then formed
   // here, not kept (and spilled) across the consumer's loop.
   const int c = static_cast<int>(read_tid() / 128) - 1;
@@ -244,7 +247,7 @@ __device__ __forceinline__ void product_dq(float (&acc)[32], const unsigned char
     }
   } else {
 #pragma unroll
-    for (int kk = 0; kk < kBwdKeys / 16; ++kk) {
+    for (int kk = 0; kk < kKeys / 16; ++kk) {
       wgmma_ss_n64_mn<T>(acc, ds_tile::mn_major(ds, kk),
                          k_tile::mn_major(k + c * k_tile::kBoxBytes, kk), kk > 0 ? 1 : 0);
     }
@@ -257,16 +260,23 @@ enum class dq_sums { none, float32, fixed };
 
 // The dK, dV pass, with dQ folded in (kDq) or not: its barriers, register split and
 // layout, the producer warp and a consumer warpgroup (with kDq also adding dQ), as the kernel
-// template below takes them.
-template <dq_sums kSums>
+// template below takes them. kC consumer warpgroups of 64 keys each: two (128 keys, one block
+// per SM), or one ("pair blocks": 64 keys, two blocks per SM, so that one block's start and
+// end, which nothing inside a block overlaps, run beside the other's products; D = 64 where the
+// walks are short: launch below, cuda/NOTES.md, "b14").
+template <dq_sums kSums, int kC = kConsumers>
 struct dkdv_pass_t {
+  static_assert(kC == 1 || kC == 2, "one or two consumer warpgroups");
   static constexpr bool kDq = kSums != dq_sums::none;
   static constexpr bool kFixed = kSums == dq_sums::fixed;
-  using barriers = dkdv_barriers;
+  static constexpr int kKeys = 64 * kC;  // keys per block
+  static constexpr int kThreads = 128 * (1 + kC);
+  static constexpr int kMinBlocks = kC == 1 ? 2 : 1;  // blocks per SM
+  using barriers = dkdv_barriers_t<kC>;
   template <int kD>
-  using registers = dkdv_registers;
+  using registers = std::conditional_t<kC == 2, dkdv_registers, dkdv_pair_registers>;
   template <int kD>
-  using layout = std::conditional_t<kDq, dkdvq_layout<kD>, dkdv_layout<kD>>;
+  using layout = std::conditional_t<kDq, dkdvq_layout<kD, kC>, dkdv_layout<kD, kKeys>>;
 
   template <class T, int kD>
   __device__ static void produce(const hopper_bwd_params& hp, const layout<kD>& smem,
@@ -276,15 +286,28 @@ struct dkdv_pass_t {
     const kernel_params& p = bp.fwd;
     const bool leader = threadIdx.x % 32 == 0;
     const int lane = static_cast<int>(threadIdx.x % 32);
-    const int k0 = static_cast<int>(blockIdx.x) * kBwdKeys;
+    const int k0 = static_cast<int>(blockIdx.x) * kKeys;
     const int hk = static_cast<int>(blockIdx.y), b = static_cast<int>(blockIdx.z);
-    const std::int64_t k1 = k0 + kBwdKeys < p.len_k ? k0 + kBwdKeys : p.len_k;
-    // A block running past the last key holds keys that do not exist: element-mask every tile.
-    const bool keys_past_end = k0 + kBwdKeys > p.len_k;
+    const std::int64_t k1 = k0 + kKeys < p.len_k ? k0 + kKeys : p.len_k;
     query_tile_walker<kBwdRows, true> walker(p.mask, b, hk * p.group, (hk + 1) * p.group, k0, k1);
+    // The walk's next (head, tile) and whether every pair of the tile is visible. The pair
+    // blocks' producer warp (24 registers) keeps that flag in bit 0 of `tile` (2 tile + full):
+    // as a register of its own it spilled; the two-consumer producer (40) keeps both apart (the
+    // packed form made ptxas spill there instead).
     std::int64_t h = 0, tile = 0;
     bool full = false;
-    bool have = walker.next(h, tile, full);
+    const auto next = [&] {
+      if constexpr (kC == 1) {
+        std::int64_t t = 0;
+        bool f = false;
+        const bool more = walker.next(h, t, f);
+        tile = 2 * t + (f ? 1 : 0);
+        return more;
+      } else {
+        return walker.next(h, tile, full);
+      }
+    };
+    bool have = next();
     if (have && leader) {
       mbar_arrive_expect_tx(&bar.resident, 2 * L::resident_tile::kBytes);
       smem.load_resident(&hp.maps.k, &hp.maps.v, k0, hk, b, &bar.resident);
@@ -297,7 +320,7 @@ struct dkdv_pass_t {
         mbar_arrive(&bar.full[s]);
         return;
       }
-      const int q0 = static_cast<int>(tile) * kBwdRows;
+      const int tile_q = static_cast<int>(kC == 1 ? tile >> 1 : tile), q0 = tile_q * kBwdRows;
       for (int r = lane; r < kBwdRows; r += 32) {
         const row_terms row = row_terms_of(bp, b, h, q0 + r);
         bar.lse_base[s][r] = row.base;
@@ -309,13 +332,18 @@ struct dkdv_pass_t {
       }
       // Each lane's arrival releases its own stores; lane 0's also announces the TMA bytes.
       if (leader) {
-        bar.info[s] = {int(tile), int(h), full && !keys_past_end ? 1 : 0, 0};
+        // A block running past the last key holds keys that do not exist: element-mask every
+        // tile (the test formed here from the parameters: kept across the loop, the pair
+        // blocks' producer spilled it).
+        const bool keys_past_end = int(blockIdx.x) * kKeys + kKeys > p.len_k;
+        const bool tile_full = kC == 1 ? (tile & 1) != 0 : full;
+        bar.info[s] = {tile_q, int(h), tile_full && !keys_past_end ? 1 : 0, 0};
         mbar_arrive_expect_tx(&bar.full[s], 2 * L::staged_tile::kBytes);
         smem.load_stage(s, &hp.maps.q, &hp.maps.d_o, q0, int(h), b, &bar.full[s]);
       } else {
         mbar_arrive(&bar.full[s]);
       }
-      have = walker.next(h, tile, full);
+      have = next();
     }
   }
 
@@ -334,16 +362,16 @@ struct dkdv_pass_t {
     // their registers.
     const auto key_of = [](const block_ids& ids) {
       const int c = static_cast<int>(ids.tid / 128) - 1, u = static_cast<int>(ids.tid % 128);
-      return static_cast<int>(ids.x) * kBwdKeys + c * 64 + (u / 32) * 16 + (u % 32) / 4;
+      return static_cast<int>(ids.x) * kKeys + c * 64 + (u / 32) * 16 + (u % 32) / 4;
     };
     const int key_a =
-        static_cast<int>(blockIdx.x) * kBwdKeys + key_row0 + (t / 32) * 16 + (t % 32) / 4;
+        static_cast<int>(blockIdx.x) * kKeys + key_row0 + (t / 32) * 16 + (t % 32) / 4;
     // The rows that see each of the two keys (mask_spec::query_range: causal, window, kv_len;
     // the same for every head), formed once and kept in shared memory, where each partial tile
     // reads them (in registers, or formed per tile, they cost the consumers spills). Rows are
     // below 2^31 (TMA coordinates), so each end fits 32 bits once clamped to [0, len_q]. Each
     // consumer thread writes and reads only its own slot: no barrier.
-    __shared__ std::int32_t key_rows[kConsumers * 128][4];
+    __shared__ std::int32_t key_rows[kC * 128][4];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const key_range q = p.mask.query_range(blockIdx.z, key_a + 8 * r);
@@ -380,9 +408,9 @@ struct dkdv_pass_t {
         // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ, issued together; Sᵀ is waited for first.
         float rS[32], rdP[32];
         wgmma_fence();
-        product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rS, smem.resident[0], key_row0, sQ);
+        product_ss<T, kKeys, kBwdRows, kBwdRows, kD>(rS, smem.resident[0], key_row0, sQ);
         wgmma_commit();
-        product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rdP, smem.resident[1], key_row0, sdO);
+        product_ss<T, kKeys, kBwdRows, kBwdRows, kD>(rdP, smem.resident[1], key_row0, sdO);
         wgmma_commit();
 
         // With dQ the key is formed afresh (kept across the loop there, it spilled); without,
@@ -423,7 +451,7 @@ struct dkdv_pass_t {
     // The block's place read afresh (volatile): kept from the kernel's start it would hold
     // registers across the loop; ids.tid / 128 - 1 is `consumer`.
     const block_ids ids = read_block_ids();
-    const std::int64_t row0 = std::int64_t(ids.x) * kBwdKeys + (ids.tid / 128 - 1) * 64;
+    const std::int64_t row0 = std::int64_t(ids.x) * kKeys + (ids.tid / 128 - 1) * 64;
     store_gradient<T, kD>(bp.dk, bp.dk_stride, bp.grad_out, bp.dk_store, ids.z, ids.y, row0,
                           p.len_k, rdK, p.scale);
     store_gradient<T, kD>(bp.dv, bp.dv_stride, bp.grad_out, bp.dv_store, ids.z, ids.y, row0,
@@ -488,7 +516,7 @@ struct dkdv_pass_t {
     fence_proxy_async();
     ds_stored<kD>(it, consumer, t);
     wgmma_fence();
-    product_dq<T, kD>(rdQ, smem.ds(), smem.resident[0]);
+    product_dq<T, kD, kKeys>(rdQ, smem.ds(), smem.resident[0]);
     wgmma_commit();
     issue_dv_dk<T, kD>(aP, adS, sQ, sdO, rdV, rdK);
   }
@@ -540,11 +568,11 @@ struct dkdv_pass_t {
     // Sᵀ = K Qᵀ and dPᵀ = V dOᵀ of the tile in stage s, a group each.
     const auto issue_scores = [&](int s) {
       wgmma_fence();
-      product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rS, smem.resident[0], key_row0,
-                                                      smem.stage(0, s));
+      product_ss<T, kKeys, kBwdRows, kBwdRows, kD>(rS, smem.resident[0], key_row0,
+                                                   smem.stage(0, s));
       wgmma_commit();
-      product_ss<T, kBwdKeys, kBwdRows, kBwdRows, kD>(rdP, smem.resident[1], key_row0,
-                                                      smem.stage(1, s));
+      product_ss<T, kKeys, kBwdRows, kBwdRows, kD>(rdP, smem.resident[1], key_row0,
+                                                   smem.stage(1, s));
       wgmma_commit();
     };
     issue_scores(0);
@@ -597,7 +625,7 @@ struct dkdv_pass_t {
       named_barrier_sync(kOwnDsBarrier + consumer, 128);
     } else {
       if (it > 0 && consumer == 0 && t == 0) bulk_wait_read();
-      named_barrier_sync(kDsBarrier, 128 * kConsumers);
+      named_barrier_sync(kDsBarrier, 128 * kC);
     }
   }
 
@@ -658,7 +686,7 @@ struct dkdv_pass_t {
     if constexpr (kOwn) {
       named_barrier_sync(kOwnDqBarrier + consumer, 128);
     } else {
-      named_barrier_sync(kDqBarrier, 128 * kConsumers);
+      named_barrier_sync(kDqBarrier, 128 * kC);
     }
     if ((kOwn || consumer == 0) && t == 0) {
       const bwd_stage_info info = slot;
@@ -685,10 +713,10 @@ struct dkdv_pass_t {
                                      int consumer) {
     const kernel_params& p = hp.bp.fwd;
     if (p.mask.kv_len == nullptr) return;  // past Lk TMA has zero-filled the rows
-    const std::int64_t k0 = std::int64_t(blockIdx.x) * kBwdKeys + consumer * 64;
+    const std::int64_t k0 = std::int64_t(blockIdx.x) * kKeys + consumer * 64;
     const std::int64_t end = p.mask.key_end(blockIdx.z);
     if (end >= k0 + 64) return;
-    using k_tile = box_tile<kBwdKeys, kD>;
+    using k_tile = box_tile<kKeys, kD>;
     // Whole rows [r0, 64 consumer + 64) of each box, 16 bytes per store (the swizzle permutes
     // chunks within a row only).
     const int r0 = consumer * 64 + (end > k0 ? static_cast<int>(end - k0) : 0);
@@ -707,6 +735,9 @@ struct dkdv_pass_t {
 using dkdv_pass = dkdv_pass_t<dq_sums::none>;
 using dkdvq_pass = dkdv_pass_t<dq_sums::float32>;
 using dkdvq_fixed_pass = dkdv_pass_t<dq_sums::fixed>;
+using dkdvq_pair_pass = dkdv_pass_t<dq_sums::float32, 1>;
+using dkdv_pair_pass = dkdv_pass_t<dq_sums::none, 1>;
+using dkdvq_fixed_pair_pass = dkdv_pass_t<dq_sums::fixed, 1>;
 // The host sizes the sums (hopper_dq_sums_bytes) by the chunk rows these kernels add.
 static_assert(kHopperDqRows == kBwdRows, "the dQ sums' chunks are the dK, dV kernel's stages");
 
@@ -829,6 +860,7 @@ using dq_layout = bwd_layout<kBwdQRows, kBwdQKeysFor<kD>, kD>;
 // The dQ pass: its barriers, register split and layout, the producer warp and a
 // consumer warpgroup, as the kernel template below takes them.
 struct dq_pass {
+  static constexpr int kThreads = sm90::kThreads, kMinBlocks = 1;
   using barriers = dq_barriers;
   template <int kD>
   using registers = dq_registers;
@@ -986,7 +1018,7 @@ struct dq_pass {
 // One block of either pass: the barriers, the maps prefetched, then the producer warp and the
 // consumer warpgroups with their register budgets.
 template <class Pass, class T, int kD>
-__global__ void __launch_bounds__(kThreads, 1)
+__global__ void __launch_bounds__(Pass::kThreads, Pass::kMinBlocks)
     hopper_bwd_kernel(const __grid_constant__ hopper_bwd_params hp) {
 #if FLASHREF_SM90A
   extern __shared__ __align__(1024) unsigned char s_raw[];
@@ -1043,6 +1075,11 @@ cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t st
   constexpr int kDqSmem = dq_layout<kD>::kSmemBytes;
   cudaError_t e = cudaFuncSetAttribute(hopper_bwd_kernel<Pass, T, kD>,
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, kDkdvSmem);
+  if (e == cudaSuccess && Pass::kMinBlocks > 1) {  // room for the blocks that share an SM
+    e = cudaFuncSetAttribute(hopper_bwd_kernel<Pass, T, kD>,
+                             cudaFuncAttributePreferredSharedMemoryCarveout,
+                             cudaSharedmemCarveoutMaxShared);
+  }
   if constexpr (!kSums) {
     if (e == cudaSuccess) {
       e = cudaFuncSetAttribute(hopper_bwd_kernel<dq_pass, T, kD>,
@@ -1057,11 +1094,11 @@ cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t st
     if (e != cudaSuccess) return e;
   }
   if (p.len_k > 0 && p.heads_k > 0 && p.batch > 0) {
-    e = make_maps(hp.maps, bp, input, kD, kBwdRows, kBwdKeys);
+    e = make_maps(hp.maps, bp, input, kD, kBwdRows, Pass::kKeys);
     if (e != cudaSuccess) return e;
-    const dim3 grid(static_cast<unsigned>((p.len_k + kBwdKeys - 1) / kBwdKeys),
+    const dim3 grid(static_cast<unsigned>((p.len_k + Pass::kKeys - 1) / Pass::kKeys),
                     static_cast<unsigned>(p.heads_k), static_cast<unsigned>(p.batch));
-    hopper_bwd_kernel<Pass, T, kD><<<grid, kThreads, kDkdvSmem, stream>>>(hp);
+    hopper_bwd_kernel<Pass, T, kD><<<grid, Pass::kThreads, kDkdvSmem, stream>>>(hp);
   }
   if (!queries) return cudaGetLastError();
   if constexpr (kSums) {
@@ -1081,8 +1118,25 @@ cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t st
 
 // With dQ's sums in the workspace (D = 64 and 128): dQ inside the dK, dV kernel, the sums in
 // fixed point where the rows' scales are there too; otherwise dQ by its own pass.
+// The pair blocks (one consumer warpgroup of 64 keys, two blocks per SM) at D = 64 where a
+// block's walk is short: under a block mask, or over at most kPairMaxKeys keys. There the start
+// and end of each block, which nothing inside it overlaps, weigh most, and the other block on
+// the SM runs its products meanwhile (cuda/NOTES.md, "b14": +2 to +5 % at L = 2048, +0.2 to
+// +3.3 % under block masks at L = 16384; dense L = 16384 −1.9 %, so long rows keep the block of
+// two consumers).
+inline constexpr std::int64_t kPairMaxKeys = 2048;
+
 template <class T, int kD>
 cudaError_t launch(const backward_params& bp, elem input, cudaStream_t stream) {
+  if constexpr (kD == 64) {
+    if (bp.fwd.mask.block_mask != nullptr || bp.fwd.len_k <= kPairMaxKeys) {
+      if (bp.dq_row_scale != nullptr) {
+        return launch_passes<dkdvq_fixed_pair_pass, T, kD>(bp, input, stream);
+      }
+      if (bp.dq_sums != nullptr) return launch_passes<dkdvq_pair_pass, T, kD>(bp, input, stream);
+      return launch_passes<dkdv_pair_pass, T, kD>(bp, input, stream);
+    }
+  }
   if constexpr (kD == 64 || kD == 128) {
     if (bp.dq_row_scale != nullptr) {
       return launch_passes<dkdvq_fixed_pass, T, kD>(bp, input, stream);

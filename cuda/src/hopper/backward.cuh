@@ -50,15 +50,20 @@ inline constexpr bool kBwdPipelined = kD == 64;
 // bytes). The producer fits 40 once its walker forms the mask blocks without 64-bit division
 // (query_tile_walker's kNarrow). The dQ kernel's producer walks key tiles and zero-fills the
 // kv_len tail: 64 (it spills at 56), its consumers 216.
-template <int kProducer, int kConsumer>
+template <int kProducer, int kConsumer, int kLaunch = kLaunchRegs, int kC = kConsumers>
 struct register_split {
   static constexpr int kProducerRegs = kProducer;
   static constexpr int kConsumerRegs = kConsumer;
-  static_assert((kLaunchRegs - kProducer) * 128 >= (kConsumer - kLaunchRegs) * 128 * kConsumers,
+  static_assert((kLaunch - kProducer) * 128 >= (kConsumer - kLaunch) * 128 * kC,
                 "the consumers take no more registers than the producer gives");
 };
 using dkdv_registers = register_split<40, 232>;
 using dq_registers = register_split<64, 216>;
+// The dK, dV kernel of one consumer warpgroup (64 keys a block) runs two blocks per SM (D = 64
+// where the walks are short: hopper_backward.cu, "pair blocks"): each starts at 65536 / 512 =
+// 128 registers a thread, and its consumer keeps the 232 of the two-consumer block only if its
+// producer warp walks in 24.
+using dkdv_pair_registers = register_split<24, 232, 128, 1>;
 
 // A (rows, kD) tile as kD / 64 boxes of (rows, 64) 16-bit elements in the 128-byte swizzle.
 template <int kRows, int kD>
@@ -114,20 +119,22 @@ struct bwd_barriers {
 
   // The calling consumer thread is done with stage s.
   __device__ void release(int s) {
-    if constexpr (kEmptyArrivals == 128 * kConsumers) {
+    if constexpr (kEmptyArrivals % 128 == 0) {  // every thread of the consumer warpgroups
       mbar_arrive(&empty[s]);
     } else {
-      static_assert(kEmptyArrivals == 4 * kConsumers, "one arrival per thread or per warp");
+      static_assert(kEmptyArrivals % 4 == 0, "one arrival per thread or per warp");
       __syncwarp();
       if (threadIdx.x % 32 == 0) mbar_arrive(&empty[s]);
     }
   }
 };
-struct dkdv_barriers : bwd_barriers<32, 128 * kConsumers> {
+template <int kC>
+struct dkdv_barriers_t : bwd_barriers<32, 128 * kC> {
   float lse_base[kBwdStages][kBwdRows];  // exp_base(LSE) log2 e of the stage's rows
   float delta[kBwdStages][kBwdRows];
   float dq_scale[kBwdStages][kBwdRows];  // dQ in fixed point: dq_fixed_scale of the stage's rows
 };
+using dkdv_barriers = dkdv_barriers_t<kConsumers>;
 using dq_barriers = bwd_barriers<1, 4 * kConsumers>;
 
 // --- dQ inside the dK, dV kernel (not deterministic) ----------------------------------------
