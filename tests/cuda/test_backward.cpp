@@ -617,6 +617,50 @@ TEST_CASE("cuda backward: the hopper dQ beside dK and dV, in fixed point and in 
   REQUIRE(same_bits(again.dq, fixed.dq));
 }
 
+// The pair blocks (D = 64 where a dK, dV block's walk is short: a block mask, or at most 2048
+// keys; one consumer warpgroup of 64 keys, two blocks per SM: hopper_backward.cu) at their edges:
+// kv_len ending inside a block of 64 keys, whose K rows past it the single consumer zeroes before
+// dQ = dS K reads them (dQ beside dK and dV: Lk >= 8192 under a block mask), in fixed point and in
+// float32; a last block holding fewer than 64 keys; mask blocks that do not divide the blocks; GQA;
+// then the same edges with few keys (dK, dV by the pair blocks, dQ by its own pass), with and
+// without a block mask. Golden gradients, and the bits again on a second run.
+TEST_CASE("cuda backward: the pair blocks at D = 64 with kv_len inside a block of 64 keys",
+          "[cuda][backward]") {
+  if (!hopper_backward_device()) return;
+  problem_shape s;
+  s.B = 3, s.Hq = 4, s.Hk = 2, s.D = s.Dv = 64, s.use_kv_len = true;
+  const int shape = GENERATE(0, 1, 2);
+  if (shape == 0) s.Lq = 70, s.Lk = 8230, s.block_q = 64, s.block_k = 96, s.block_density = 0.4;
+  if (shape == 1) s.Lq = 150, s.Lk = 1000, s.block_q = 48, s.block_k = 80, s.block_density = 0.5;
+  if (shape == 2) s.Lq = 150, s.Lk = 2000, s.causal = causal_mode::bottom_right;
+  CAPTURE(s.describe());
+  problem_data d = flashref::test::build({"pair blocks", s, 76}, input_dtype::bfloat16);
+  // Batch entry 0 sees no key; the others' keys end inside a block of 64 keys (blocks [0, 64),
+  // [64, 128), ...), one of them in the last block that holds a key (Lk = 64 n + r, r > 0).
+  REQUIRE(d.opt.kv_len.size() == 3);
+  d.opt.kv_len[1] = std::int32_t(s.Lk - 5);
+  d.opt.kv_len[2] = std::int32_t(s.Lk / 2 + 7);
+  for (const std::int32_t n : {d.opt.kv_len[1], d.opt.kv_len[2]})
+    REQUIRE(n % 64 != 0);
+  REQUIRE(s.Lk % 64 != 0);
+  fc::attention(d.problem());
+  flashref::test::add_upstream_gradient(d, 76);
+  const bool deterministic = GENERATE(true, false);
+  const device_entry_result first =
+      run_device_entry(d, fc::kernel_choice::hopper, true, deterministic);
+  if (shape ==
+      0) {  // dQ beside dK and dV: its sums (B x Hq x Lq rounded to 64 x D) in the workspace
+    REQUIRE(first.workspace >= std::size_t(s.B * s.Hq * 128 * s.D) * 4);
+  }
+  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
+      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+  const device_entry_result again =
+      run_device_entry(d, fc::kernel_choice::hopper, true, deterministic);
+  REQUIRE(same_bits(again.dk, first.dk));
+  REQUIRE(same_bits(again.dv, first.dv));
+  if (deterministic || shape != 0) REQUIRE(same_bits(again.dq, first.dq));
+}
+
 // What the pre-passes leave in the workspace for fixed point (backward.cpp: Delta, the dQ sums,
 // the rows' flags and scales, the bounds of each batch and key/value head, in 256-byte pieces),
 // read back and held to the host's float64 from the same bf16 values: max |K| exactly (a maximum
