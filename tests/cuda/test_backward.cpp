@@ -463,6 +463,22 @@ device_entry_result run_device_entry(problem_data& d, fc::kernel_choice kernel,
   return {workspace, as_vector(d.dq), as_vector(d.dk), as_vector(d.dv), std::move(workspace_after)};
 }
 
+// The device entry on the hopper kernel twice (the caller's workspace): the first run's
+// gradients conform to the golden ones, the second gives dK and dV bit for bit again, and dQ too
+// where `dq_repeats` (not float32 sums beside dK and dV). Returns the first run.
+device_entry_result run_twice_on_hopper(problem_data& d, bool deterministic, bool dq_repeats) {
+  const device_entry_result first =
+      run_device_entry(d, fc::kernel_choice::hopper, true, deterministic);
+  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
+      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+  const device_entry_result again =
+      run_device_entry(d, fc::kernel_choice::hopper, true, deterministic);
+  REQUIRE(same_bits(again.dk, first.dk));
+  REQUIRE(same_bits(again.dv, first.dv));
+  if (dq_repeats) REQUIRE(same_bits(again.dq, first.dq));
+  return first;
+}
+
 // The device entry on `s` (run_device_entry), judged against the golden gradients.
 device_entry_result check_device_entry(const problem_shape& s, fc::kernel_choice kernel,
                                        bool caller_workspace, bool deterministic) {
@@ -647,18 +663,10 @@ TEST_CASE("cuda backward: the pair blocks at D = 64 with kv_len inside a block o
   flashref::test::add_upstream_gradient(d, 76);
   const bool deterministic = GENERATE(true, false);
   const device_entry_result first =
-      run_device_entry(d, fc::kernel_choice::hopper, true, deterministic);
-  if (shape ==
-      0) {  // dQ beside dK and dV: its sums (B x Hq x Lq rounded to 64 x D) in the workspace
-    REQUIRE(first.workspace >= std::size_t(s.B * s.Hq * 128 * s.D) * 4);
-  }
-  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
-      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
-  const device_entry_result again =
-      run_device_entry(d, fc::kernel_choice::hopper, true, deterministic);
-  REQUIRE(same_bits(again.dk, first.dk));
-  REQUIRE(same_bits(again.dv, first.dv));
-  if (deterministic || shape != 0) REQUIRE(same_bits(again.dq, first.dq));
+      run_twice_on_hopper(d, deterministic, deterministic || shape != 0);
+  // Shape 0 forms dQ beside dK and dV: its sums (B x Hq x Lq rounded up to 64 x D) in the
+  // workspace.
+  if (shape == 0) REQUIRE(first.workspace >= std::size_t(s.B * s.Hq * 128 * s.D) * 4);
 }
 
 // What the pre-passes leave in the workspace for fixed point (backward.cpp: Delta, the dQ sums,
@@ -763,17 +771,9 @@ TEST_CASE("cuda backward: the hopper dQ beside dK and dV over key blocks of 0 to
   fc::attention(d.problem());
   flashref::test::add_upstream_gradient(d, 75);
   const bool deterministic = GENERATE(true, false);
-  const device_entry_result first =
-      run_device_entry(d, fc::kernel_choice::hopper, true, deterministic);
+  const device_entry_result first = run_twice_on_hopper(d, deterministic, deterministic);
   // dQ was formed beside dK and dV: its sums (B x Hq x Lq x D words) in the workspace.
   REQUIRE(first.workspace >= std::size_t(s.B * s.Hq * s.Lq * s.D) * 4);
-  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
-      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
-  const device_entry_result again =
-      run_device_entry(d, fc::kernel_choice::hopper, true, deterministic);
-  REQUIRE(same_bits(again.dk, first.dk));
-  REQUIRE(same_bits(again.dv, first.dv));
-  if (deterministic) REQUIRE(same_bits(again.dq, first.dq));
 }
 
 // What fixed point adds to the rows: a row whose dO is 0 gets dQ = 0 exactly (its bound is 0);
