@@ -641,7 +641,7 @@ TEST_CASE("cuda backward: the hopper dQ beside dK and dV, in fixed point and in 
 // then the same edges with few keys (dK, dV by the pair blocks, dQ by its own pass), with and
 // without a block mask. Golden gradients, and the bits again on a second run.
 TEST_CASE("cuda backward: the pair blocks at D = 64 with kv_len inside a block of 64 keys",
-          "[cuda][backward]") {
+          "[cuda][backward][race]") {
   if (!hopper_backward_device()) return;
   problem_shape s;
   s.B = 3, s.Hq = 4, s.Hk = 2, s.D = s.Dv = 64, s.use_kv_len = true;
