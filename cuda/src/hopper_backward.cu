@@ -189,10 +189,11 @@ using dkdv_layout = bwd_layout<kKeys, kBwdRows, kD>;
 // kDqBarrier; at D = 64 each reads only its own rows).
 template <int kD, int kC = kConsumers>
 struct dkdvq_layout : dkdv_layout<kD, 64 * kC> {
+  using base = dkdv_layout<kD, 64 * kC>;
   using ds_tile = box_tile<64 * kC, kBwdRows>;
   static constexpr int kChunks = kDqOwnKeys<kD> ? kC : 1;
   static constexpr int kSmemBytes =
-      dkdv_layout<kD, 64 * kC>::kSmemBytes + ds_tile::kBytes + kChunks * kDqChunkFloats<kD> * 4;
+      base::kSmemBytes + ds_tile::kBytes + kChunks * kDqChunkFloats<kD> * 4;
   __device__ unsigned char* ds() const { return this->stage(1, kBwdStages); }
   // Chunk c (0 at D = 128).
   __device__ float* dq(int c) const {
@@ -200,7 +201,7 @@ struct dkdvq_layout : dkdv_layout<kD, 64 * kC> {
            c * kDqChunkFloats<kD>;
   }
 
-  __device__ explicit dkdvq_layout(unsigned char* raw) : dkdv_layout<kD, 64 * kC>(raw) {}
+  __device__ explicit dkdvq_layout(unsigned char* raw) : base(raw) {}
 };
 
 // dSᵀ of this consumer's 64 keys (adS: its A fragments, the accumulator's pairs of query

@@ -119,10 +119,12 @@ struct bwd_barriers {
 
   // The calling consumer thread is done with stage s.
   __device__ void release(int s) {
-    if constexpr (kEmptyArrivals % 128 == 0) {  // every thread of the consumer warpgroups
+    // Every thread of the consumer warpgroups (one or two of them: the dK, dV kernel's pair
+    // blocks or its two-consumer blocks), or one thread per warp.
+    if constexpr (kEmptyArrivals == 128 || kEmptyArrivals == 128 * kConsumers) {
       mbar_arrive(&empty[s]);
     } else {
-      static_assert(kEmptyArrivals % 4 == 0, "one arrival per thread or per warp");
+      static_assert(kEmptyArrivals == 4 * kConsumers, "one arrival per thread or per warp");
       __syncwarp();
       if (threadIdx.x % 32 == 0) mbar_arrive(&empty[s]);
     }
