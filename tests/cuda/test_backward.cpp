@@ -463,14 +463,21 @@ device_entry_result run_device_entry(problem_data& d, fc::kernel_choice kernel,
   return {workspace, as_vector(d.dq), as_vector(d.dk), as_vector(d.dv), std::move(workspace_after)};
 }
 
+// The device entry on d (run_device_entry), its gradients judged against the golden ones.
+device_entry_result run_conforming(problem_data& d, fc::kernel_choice kernel, bool caller_workspace,
+                                   bool deterministic) {
+  const device_entry_result r = run_device_entry(d, kernel, caller_workspace, deterministic);
+  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
+      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+  return r;
+}
+
 // The device entry on the hopper kernel twice (the caller's workspace): the first run's
 // gradients conform to the golden ones, the second gives dK and dV bit for bit again, and dQ too
 // where `dq_repeats` (not float32 sums beside dK and dV). Returns the first run.
 device_entry_result run_twice_on_hopper(problem_data& d, bool deterministic, bool dq_repeats) {
   const device_entry_result first =
-      run_device_entry(d, fc::kernel_choice::hopper, true, deterministic);
-  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
-      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+      run_conforming(d, fc::kernel_choice::hopper, true, deterministic);
   const device_entry_result again =
       run_device_entry(d, fc::kernel_choice::hopper, true, deterministic);
   REQUIRE(same_bits(again.dk, first.dk));
@@ -486,10 +493,7 @@ device_entry_result check_device_entry(const problem_shape& s, fc::kernel_choice
   problem_data d = flashref::test::build({"device entry", s, 72}, input_dtype::bfloat16);
   fc::attention(d.problem());  // O, LSE in float32 on the host
   flashref::test::add_upstream_gradient(d, 72);
-  const device_entry_result r = run_device_entry(d, kernel, caller_workspace, deterministic);
-  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
-      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
-  return r;
+  return run_conforming(d, kernel, caller_workspace, deterministic);
 }
 
 }  // namespace
@@ -592,13 +596,9 @@ TEST_CASE("cuda backward: the hopper dQ beside dK and dV, in fixed point and in 
   fc::attention(d.problem());
   flashref::test::add_upstream_gradient(d, 72);
   const device_entry_result sums =
-      run_device_entry(d, fc::kernel_choice::hopper, caller_workspace, false);
-  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
-      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+      run_conforming(d, fc::kernel_choice::hopper, caller_workspace, false);
   const device_entry_result fixed =
-      run_device_entry(d, fc::kernel_choice::hopper, caller_workspace, true);
-  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
-      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+      run_conforming(d, fc::kernel_choice::hopper, caller_workspace, true);
   // Fixed point adds the rows' flags and scales (a word per query row each) and the bounds (two
   // words per batch and key/value head) to the float32 mode's workspace, in 256-byte pieces;
   // both hold the sums, B x Hq x 192 rows x D words (the float32 sums alone make 24 KiB or more).
@@ -686,9 +686,7 @@ TEST_CASE("cuda backward: fixed point's bounds, Delta and row scales in the work
   problem_data d = flashref::test::build({"fixed-point bounds", s, 76}, input_dtype::bfloat16);
   fc::attention(d.problem());
   flashref::test::add_upstream_gradient(d, 76);
-  const device_entry_result r = run_device_entry(d, fc::kernel_choice::hopper, true, true);
-  FLASHREF_REQUIRE_GRADIENTS_CONFORM(
-      flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+  const device_entry_result r = run_conforming(d, fc::kernel_choice::hopper, true, true);
   const auto pieces = [](std::size_t bytes) { return (bytes + 255) / 256 * 256; };
   const std::size_t rows = std::size_t(s.B * s.Hq * s.Lq), pairs = std::size_t(s.B * s.Hk);
   const std::size_t row_piece = pieces(rows * 4), bounds_piece = pieces(pairs * 8);
@@ -804,9 +802,7 @@ TEST_CASE(
   SECTION("dO = 0 in a row") {
     for (std::int64_t x = 0; x < s.Dv; ++x)
       d.d_o(0, 1, 7, x) = 0.f;
-    run_device_entry(d, fc::kernel_choice::hopper, true, true);
-    FLASHREF_REQUIRE_GRADIENTS_CONFORM(
-        flashref::test::check_backward_against_naive(d, input_dtype::bfloat16));
+    run_conforming(d, fc::kernel_choice::hopper, true, true);
     REQUIRE(row_is(1, 7, [](float x) { return x == 0.f && !std::signbit(x); }));
     REQUIRE_FALSE(row_is(1, 8, [](float x) { return x == 0.f; }));  // the next row is not
   }
