@@ -1122,10 +1122,10 @@ cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t st
 // The pair blocks (one consumer warpgroup of 64 keys, two blocks per SM) at D = 64 where a
 // block's walk is short: under a block mask, or over at most kPairMaxKeys keys. There the start
 // and end of each block, which nothing inside it overlaps, weigh most, and the other block on
-// the SM runs its products meanwhile (cuda/NOTES.md, "b14": +2 to +5 % at L = 2048, +0.2 to
-// +3.3 % under block masks at L = 16384; dense L = 16384 −1.9 %, so long rows keep the block of
-// two consumers).
-inline constexpr std::int64_t kPairMaxKeys = 2048;
+// the SM runs its products meanwhile (cuda/NOTES.md, "b14": +0.4 to +6.5 % from L = 1024 to
+// 8192, +0.2 to +3.3 % under block masks at L = 16384; dense L = 16384 −1.9 %, so rows longer
+// than 8192 keys without a block mask keep the block of two consumers).
+inline constexpr std::int64_t kPairMaxKeys = 8192;
 
 template <class T, int kD>
 cudaError_t launch(const backward_params& bp, elem input, cudaStream_t stream) {

@@ -633,20 +633,22 @@ TEST_CASE("cuda backward: the hopper dQ beside dK and dV, in fixed point and in 
   REQUIRE(same_bits(again.dq, fixed.dq));
 }
 
-// The pair blocks (D = 64 where a dK, dV block's walk is short: a block mask, or at most 2048
+// The pair blocks (D = 64 where a dK, dV block's walk is short: a block mask, or at most 8192
 // keys; one consumer warpgroup of 64 keys, two blocks per SM: hopper_backward.cu) at their edges:
 // kv_len ending inside a block of 64 keys, whose K rows past it the single consumer zeroes before
-// dQ = dS K reads them (dQ beside dK and dV: Lk >= 8192 under a block mask), in fixed point and in
-// float32; a last block holding fewer than 64 keys; mask blocks that do not divide the blocks; GQA;
-// then the same edges with few keys (dK, dV by the pair blocks, dQ by its own pass), with and
-// without a block mask. Golden gradients, and the bits again on a second run.
+// dQ = dS K reads them (dQ beside dK and dV: Lk >= 8192 under a block mask, 4096 without one), in
+// fixed point and in float32; a last block holding fewer than 64 keys; mask blocks that do not
+// divide the blocks; GQA; then the same edges with few keys (dK, dV by the pair blocks, dQ by its
+// own pass), with and without a block mask. Golden gradients, and the bits again on a second run
+// (dQ's float32 sums, in any order, only in fixed point).
 TEST_CASE("cuda backward: the pair blocks at D = 64 with kv_len inside a block of 64 keys",
           "[cuda][backward][race]") {
   if (!hopper_backward_device()) return;
   problem_shape s;
   s.B = 3, s.Hq = 4, s.Hk = 2, s.D = s.Dv = 64, s.use_kv_len = true;
-  const int shape = GENERATE(0, 1, 2);
+  const int shape = GENERATE(0, 1, 2, 3);
   if (shape == 0) s.Lq = 70, s.Lk = 8230, s.block_q = 64, s.block_k = 96, s.block_density = 0.4;
+  if (shape == 3) s.Lq = 70, s.Lk = 4100;
   if (shape == 1) s.Lq = 150, s.Lk = 1000, s.block_q = 48, s.block_k = 80, s.block_density = 0.5;
   if (shape == 2) s.Lq = 150, s.Lk = 2000, s.causal = causal_mode::bottom_right;
   CAPTURE(s.describe());
@@ -662,11 +664,12 @@ TEST_CASE("cuda backward: the pair blocks at D = 64 with kv_len inside a block o
   fc::attention(d.problem());
   flashref::test::add_upstream_gradient(d, 76);
   const bool deterministic = GENERATE(true, false);
+  const bool dq_beside = shape == 0 || shape == 3;
   const device_entry_result first =
-      run_twice_on_hopper(d, deterministic, deterministic || shape != 0);
-  // Shape 0 forms dQ beside dK and dV: its sums (B x Hq x Lq rounded up to 64 x D) in the
+      run_twice_on_hopper(d, deterministic, deterministic || !dq_beside);
+  // Shapes 0 and 3 form dQ beside dK and dV: its sums (B x Hq x Lq rounded up to 64 x D) in the
   // workspace.
-  if (shape == 0) REQUIRE(first.workspace >= std::size_t(s.B * s.Hq * 128 * s.D) * 4);
+  if (dq_beside) REQUIRE(first.workspace >= std::size_t(s.B * s.Hq * 128 * s.D) * 4);
 }
 
 // What the pre-passes leave in the workspace for fixed point (backward.cpp: Delta, the dQ sums,
