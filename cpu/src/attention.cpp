@@ -456,16 +456,21 @@ void run(const attention_problem& p, const storage_of& st, const options& opt) {
         kt.prepack(ctx, bh / p.heads_k(), bh % p.heads_k());
     }
 
-    // Heaviest first: with a causal mask the last query tiles see the most keys.
+    // Items one key/value head at a time, so that the threads running at once share that
+    // head's K and V in the caches instead of each streaming its own from memory: the query
+    // heads of its group and their query tiles, heaviest first within the head (with a causal
+    // mask the last query tiles see the most keys), so that the last items taken are light.
 #pragma omp for schedule(dynamic, 1)
     for (std::int64_t idx = 0; idx < items; ++idx) {
       std::int64_t rest = idx;
       const std::int64_t c = rest % splits;
       rest /= splits;
-      const std::int64_t h = rest % Hq;
-      rest /= Hq;
-      const std::int64_t b = rest % B;
-      const std::int64_t qt = nqt - 1 - rest / B;
+      const std::int64_t g = rest % ctx.group;
+      rest /= ctx.group;
+      const std::int64_t qt = nqt - 1 - rest % nqt;
+      rest /= nqt;
+      const std::int64_t h = rest % p.heads_k() * ctx.group + g;
+      const std::int64_t b = rest / p.heads_k();
       work_item it;
       it.b = b;
       it.h = h;
