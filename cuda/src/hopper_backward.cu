@@ -733,12 +733,6 @@ struct dkdv_pass_t {
     named_barrier_sync(kKTailBarrier + consumer, 128);
   }
 };
-using dkdv_pass = dkdv_pass_t<dq_sums::none>;
-using dkdvq_pass = dkdv_pass_t<dq_sums::float32>;
-using dkdvq_fixed_pass = dkdv_pass_t<dq_sums::fixed>;
-using dkdvq_pair_pass = dkdv_pass_t<dq_sums::float32, 1>;
-using dkdv_pair_pass = dkdv_pass_t<dq_sums::none, 1>;
-using dkdvq_fixed_pair_pass = dkdv_pass_t<dq_sums::fixed, 1>;
 // The host sizes the sums (hopper_dq_sums_bytes) by the chunk rows these kernels add.
 static_assert(kHopperDqRows == kBwdRows, "the dQ sums' chunks are the dK, dV kernel's stages");
 
@@ -1065,7 +1059,7 @@ cudaError_t make_maps(bwd_maps& m, const backward_params& bp, elem input, int kD
 }
 
 // The dK, dV pass of `Pass`, then dQ: scaled from the sums the dK, dV kernel with dQ left
-// (dkdvq_pass, dkdvq_fixed_pass: the rows' scales came with Delta), or by its own pass.
+// (dq_sums::float32 or fixed: the rows' scales came with Delta), or by its own pass.
 template <class Pass, class T, int kD>
 cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t stream) {
   const kernel_params& p = bp.fwd;
@@ -1127,24 +1121,28 @@ cudaError_t launch_passes(const backward_params& bp, elem input, cudaStream_t st
 // than 8192 keys without a block mask keep the block of two consumers).
 inline constexpr std::int64_t kPairMaxKeys = 8192;
 
+// The dK, dV pass of kC consumer warpgroups, with dQ's sums as the workspace holds them: in
+// fixed point, in float32, or none (dQ by its own pass).
+template <int kC, class T, int kD>
+cudaError_t launch_with_sums(const backward_params& bp, elem input, cudaStream_t stream) {
+  if (bp.dq_row_scale != nullptr) {
+    return launch_passes<dkdv_pass_t<dq_sums::fixed, kC>, T, kD>(bp, input, stream);
+  }
+  if (bp.dq_sums != nullptr) {
+    return launch_passes<dkdv_pass_t<dq_sums::float32, kC>, T, kD>(bp, input, stream);
+  }
+  return launch_passes<dkdv_pass_t<dq_sums::none, kC>, T, kD>(bp, input, stream);
+}
+
 template <class T, int kD>
 cudaError_t launch(const backward_params& bp, elem input, cudaStream_t stream) {
-  if constexpr (kD == 64) {
+  static_assert(kD == 64 || kD == 128, "the Hopper backward's head dims");
+  if constexpr (kD == 64) {  // the pair blocks: no room for two blocks an SM at D = 128
     if (bp.fwd.mask.block_mask != nullptr || bp.fwd.len_k <= kPairMaxKeys) {
-      if (bp.dq_row_scale != nullptr) {
-        return launch_passes<dkdvq_fixed_pair_pass, T, kD>(bp, input, stream);
-      }
-      if (bp.dq_sums != nullptr) return launch_passes<dkdvq_pair_pass, T, kD>(bp, input, stream);
-      return launch_passes<dkdv_pair_pass, T, kD>(bp, input, stream);
+      return launch_with_sums<1, T, kD>(bp, input, stream);
     }
   }
-  if constexpr (kD == 64 || kD == 128) {
-    if (bp.dq_row_scale != nullptr) {
-      return launch_passes<dkdvq_fixed_pass, T, kD>(bp, input, stream);
-    }
-    if (bp.dq_sums != nullptr) return launch_passes<dkdvq_pass, T, kD>(bp, input, stream);
-  }
-  return launch_passes<dkdv_pass, T, kD>(bp, input, stream);
+  return launch_with_sums<kConsumers, T, kD>(bp, input, stream);
 }
 
 }  // namespace
