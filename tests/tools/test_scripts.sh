@@ -221,7 +221,7 @@ JSON
 expect "gpu-tables without arguments" 2 "usage: scripts/gpu-tables RESULTS_DIR" -- "$tables"
 expect "gpu-tables with a missing folder" 2 "RESULTS_DIR: expected a folder" \
   -- "$tables" "$work/no-such-round"
-expect "gpu-tables with no JSON" 2 "expected bench_torch.json or bench_torch_backward.json" \
+expect "gpu-tables with no JSON" 2 "expected bench_torch.json, bench_torch_backward.json or paired.json" \
   -- "$tables" "$work/round-empty"
 expect "gpu-tables with a JSON that is not a list" 2 "bench_torch.json: expected a JSON list" \
   -- "$tables" "$work/round-bad"
@@ -232,6 +232,37 @@ expect "gpu-tables with a record that lacks a field" 2 "record 0: expected a fie
 expect "gpu-tables renders the rows, n/a where a baseline did not run" 0 \
   "\| 64 \| 1024 \| block-sparse 0.2 \| 0.184 \| 0.100 \| 161.5 \| n/a \| n/a \| 95.9 \| n/a \| n/a \| 1.68 \| 0.250 \| 0 \|" \
   -- "$tables" "$work/round-ok"
+# The paired stage's JSON (scripts/bench_gpu_paired.py): each kernel's times per round.
+mkdir -p "$work/round-paired" "$work/round-paired-bad"
+cat >"$work/round-paired/paired_backward.json" <<'JSON'
+[{"pass": "backward", "B": 1, "Hq": 16, "L": 16384, "D": 128, "mask": "dense", "rounds": 3,
+  "kernels": {
+   "flashref": {"times_s": [0.010, 0.011, 0.012], "median_s": 0.011, "tflops": 500.0},
+   "flashref_nondet": {"times_s": [0.010, 0.010, 0.010], "median_s": 0.010, "tflops": 550.0},
+   "cudnn": {"times_s": [0.0095, 0.0099, 0.0132], "median_s": 0.0099, "tflops": 555.6},
+   "flash": {"times_s": [0.018, 0.018, 0.018], "median_s": 0.018, "tflops": 305.6}}}]
+JSON
+echo '[{"pass": "forward", "D": 64}]' >"$work/round-paired-bad/paired.json"
+expect "gpu-tables renders the paired rounds: medians and ranges of the per-round ratios" 0 \
+  "\| backward \| 128 \| 16384 \| dense \| 3 \| 11.000 \| 500.0 \| 555.6 \| 0.950 \| 0.900–1.100 \| 305.6 \| 1.636 \| 550.0 \| 0.990 \|" \
+  -- "$tables" "$work/round-paired"
+expect "gpu-tables with a paired record without kernels" 2 "paired.json: record 0: expected the kernels of bench_gpu_paired.py" \
+  -- "$tables" "$work/round-paired-bad"
+
+# The paired stage: skipped with a note where the pack has no wheel, run (forward and
+# backward) where it has one.
+expect "gpu-round: the paired stage without a wheel is skipped" 0 "paired: skipped \(no wheel in the pack" \
+  -- env PATH="$base_path" GPU_ROUND_STAGES="paired" "$round" "$work/out-paired" "$pack"
+cp -r "$pack" "$work/pack-wheel"
+mkdir -p "$work/pack-wheel/wheels"
+touch "$work/pack-wheel/wheels/flashref-0.0.0-cp312-cp312-linux_x86_64.whl"
+expect "gpu-round: the paired stage runs both passes through the wheel" 0 \
+  "paired forward: exit 0.*" \
+  -- env PATH="$base_path" GPU_ROUND_STAGES="paired" "$round" "$work/out-paired" "$work/pack-wheel"
+grep -q "paired backward: exit 0" "$work/out-paired/summary.txt" || {
+  echo "FAIL the paired stage: no backward run in $work/out-paired/summary.txt"
+  failures=$((failures + 1))
+}
 
 if [[ $failures -ne 0 ]]; then
   echo "$failures script checks failed"
