@@ -240,11 +240,18 @@ cat >"$work/round-paired/paired_backward.json" <<'JSON'
    "flashref": {"times_s": [0.010, 0.011, 0.012], "median_s": 0.011, "tflops": 500.0},
    "flashref_nondet": {"times_s": [0.010, 0.010, 0.010], "median_s": 0.010, "tflops": 550.0},
    "cudnn": {"times_s": [0.0095, 0.0099, 0.0132], "median_s": 0.0099, "tflops": 555.6},
-   "flash": {"times_s": [0.018, 0.018, 0.018], "median_s": 0.018, "tflops": 305.6}}}]
+   "flash": {"times_s": [0.018, 0.018, 0.018], "median_s": 0.018, "tflops": 305.6}}},
+ {"pass": "forward", "B": 1, "Hq": 32, "L": 16384, "D": 64, "mask": "block_sparse",
+  "density": 0.2, "rounds": 2, "kernels": {
+   "flashref": {"times_s": [0.001, 0.002], "median_s": 0.0015, "tflops": 340.0},
+   "flex": {"times_s": [0.0013, 0.0018], "median_s": 0.00155, "tflops": 330.0}}}]
 JSON
 echo '[{"pass": "forward", "D": 64}]' >"$work/round-paired-bad/paired.json"
 expect "gpu-tables renders the paired rounds: medians and ranges of the per-round ratios" 0 \
-  "\| backward \| 128 \| 16384 \| dense \| 3 \| 11.000 \| 500.0 \| 555.6 \| 0.950 \| 0.900–1.100 \| 305.6 \| 1.636 \| 550.0 \| 0.990 \|" \
+  "\| backward \| 128 \| 16384 \| dense \| 3 \| 11.000 \| 500.0 \| 555.6 \| 0.950 \| 0.900–1.100 \| 305.6 \| 1.636 \| n/a \| n/a \| n/a \| 550.0 \| 0.990 \|" \
+  -- "$tables" "$work/round-paired"
+expect "gpu-tables renders a paired block-sparse point against FlexAttention alone" 0 \
+  "\| forward \| 64 \| 16384 \| block-sparse 0.2 \| 2 \| 1.500 \| 340.0 \| n/a \| n/a \| n/a \| n/a \| n/a \| 330.0 \| 1.100 \| 0.900–1.300 \| n/a \| n/a \|" \
   -- "$tables" "$work/round-paired"
 expect "gpu-tables with a paired record without kernels" 2 "paired.json: record 0: expected the kernels of bench_gpu_paired.py" \
   -- "$tables" "$work/round-paired-bad"
