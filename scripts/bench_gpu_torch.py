@@ -20,6 +20,7 @@ usage: bench_gpu_torch.py OURS.json OUT.json [--seconds S]
 import argparse
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -103,6 +104,13 @@ def time_fn(fn, seconds, back_to_back=False):
         times.append(start.elapsed_time(stop) * 1e-3 / calls)
     times.sort()
     return times[len(times) // 2]
+
+
+def write_records(path, records):
+    """The records as JSON at path, whole or not at all (through a file beside it)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(records, f, indent=1)
+    os.replace(path + ".tmp", path)
 
 
 def main():
@@ -194,10 +202,7 @@ def main():
             line += f" {t / r['median_s']:7.2f}" if t else f" {'n/a':>7s}"
         print(line, flush=True)
         records.append(out)
-    with open(args.out + ".tmp", "w") as f:
-        json.dump(records, f, indent=1)
-    import os
-    os.replace(args.out + ".tmp", args.out)
+    write_records(args.out, records)
 
 
 if __name__ == "__main__":
