@@ -16,7 +16,8 @@ as the round builds them); the backward of PyTorch's kernels through autograd on
 graph, as the round times it. flashref's backward is timed in its default, deterministic mode
 and with deterministic=False. Each time is the median of five runs of back-to-back calls between
 two CUDA events (the throughput of a stream of calls: the host's part of a call overlaps the
-kernels before it, on both sides).
+kernels before it, on both sides); with --single-calls, of single calls synchronised after each,
+as the round times them (the host's part of each call then counts).
 
 Shapes as the round's grid: B = tokens / L, Hq = Hk = model / D, bfloat16 inputs drawn as the
 round draws them; dense, causal (top-left: Lq = Lk) and the round's block masks (128 x 128
@@ -26,7 +27,7 @@ gradients too: a layout mistake would time the wrong problem.
 
 usage: bench_gpu_paired.py OUT.json [--lengths 1024 16384] [--head-dims 64 128]
        [--masks dense causal block_sparse] [--densities 0.5 0.2 0.05] [--flex] [--backward]
-       [--rounds 5] [--seconds 0.2]
+       [--rounds 5] [--seconds 0.2] [--single-calls]
 """
 
 import argparse
@@ -149,7 +150,7 @@ def point(B, H, L, D, mask, density, backward, flex, args):
             name = names[(r + i) % len(names)]
             fn, backend = kernels[name]
             with backend_context(backend):
-                times[name].append(time_fn(fn, args.seconds, back_to_back=True))
+                times[name].append(time_fn(fn, args.seconds, back_to_back=not args.single_calls))
     return times, checks, visible
 
 
@@ -166,6 +167,8 @@ def main():
                     help="FlexAttention (compiled) at dense and causal points too")
     ap.add_argument("--backward", action="store_true", help="time the backward instead")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--single-calls", action="store_true",
+                    help="time single calls, each synchronised, instead of streams of calls")
     ap.add_argument("--seconds", type=float, default=0.2, help="per timing of one kernel")
     ap.add_argument("--tokens", type=int, default=16384, help="B * L")
     ap.add_argument("--model", type=int, default=2048, help="Hq * D")
@@ -180,8 +183,9 @@ def main():
             setattr(torch._dynamo.config, name, 1024)
     records = []
     pass_name = "backward" if args.backward else "forward"
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {pass_name}, bf16, "
-          f"{args.rounds} rounds")
+    device = torch.cuda.get_device_name()
+    calls = "single calls" if args.single_calls else "streams of calls"
+    print(f"{device}, torch {torch.__version__}, {pass_name}, bf16, {args.rounds} rounds, {calls}")
     print(f"{'D':>4s} {'L':>6s} {'mask':18s} {'kernel':16s} {'ms':>8s} {'TFLOP/s':>8s} "
           f"{'theirs/ours median [min, max] over rounds':>42s}")
     points = [(m, None) for m in args.masks if m != "block_sparse"]
@@ -201,7 +205,9 @@ def main():
                 ours = times["flashref"]
                 rec = {"pass": pass_name, "B": B, "Hq": H, "L": L, "D": D, "mask": mask,
                        "density": density, "visible_fraction": visible / (H * L * L),
-                       "flops": flops, "rounds": args.rounds, "checks": checks, "kernels": {}}
+                       "flops": flops, "rounds": args.rounds, "device": device,
+                       "back_to_back": not args.single_calls,
+                       "checks": checks, "kernels": {}}
                 for name, ts in times.items():
                     med = statistics.median(ts)
                     entry = {"times_s": ts, "median_s": med, "tflops": flops / med * 1e-12}

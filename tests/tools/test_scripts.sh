@@ -253,6 +253,20 @@ expect "gpu-tables renders the paired rounds: medians and ranges of the per-roun
 expect "gpu-tables renders a paired block-sparse point against FlexAttention alone" 0 \
   "\| forward \| 64 \| 16384 \| block-sparse 0.2 \| 2 \| 1.500 \| 340.0 \| n/a \| n/a \| n/a \| n/a \| n/a \| 330.0 \| 1.100 \| 0.900–1.300 \| n/a \| n/a \|" \
   -- "$tables" "$work/round-paired"
+# Records of single calls (--single-calls) make a table of their own, under its own heading.
+mkdir -p "$work/round-paired-single"
+sed 's/"rounds": 3,/"rounds": 3, "back_to_back": false,/' "$work/round-paired/paired_backward.json" \
+  >"$work/round-paired-single/paired_backward.json"
+expect "gpu-tables puts single calls under their own heading" 0 \
+  "^In turns, one process, single calls \(each synchronised\):$" \
+  -- "$tables" "$work/round-paired-single"
+# The stream's forward row before that heading, the single calls' backward row after it.
+awk '/single calls/ { h = NR } /^\| forward \| 64 / { f = NR } /^\| backward \| 128 / { b = NR }
+     END { exit !(h && f && b && f < h && h < b) }' "$work/log" || {
+  echo "FAIL gpu-tables: expected the forward (streams) above and the backward (single calls) below the heading:"
+  sed 's/^/  | /' "$work/log"
+  failures=$((failures + 1))
+}
 expect "gpu-tables with a paired record without kernels" 2 "paired.json: record 0: expected the kernels of bench_gpu_paired.py" \
   -- "$tables" "$work/round-paired-bad"
 
