@@ -17,7 +17,8 @@ graph, as the round times it. flashref's backward is timed in its default, deter
 and with deterministic=False. Each time is the median of five runs of back-to-back calls between
 two CUDA events (the throughput of a stream of calls: the host's part of a call overlaps the
 kernels before it, on both sides); with --single-calls, of single calls synchronised after each,
-as the round times them (the host's part of each call then counts).
+as the round times them (the host's part of each call then counts). Each kernel's host part
+(the median time a call keeps the host, started on an idle GPU) is printed and kept too.
 
 Shapes as the round's grid: B = tokens / L, Hq = Hk = model / D, bfloat16 inputs drawn as the
 round draws them; dense, causal (top-left: Lq = Lk) and the round's block masks (128 x 128
@@ -36,6 +37,7 @@ import math
 import os
 import statistics
 import sys
+import time
 
 import numpy as np
 import torch
@@ -151,7 +153,24 @@ def point(B, H, L, D, mask, density, backward, flex, args):
             fn, backend = kernels[name]
             with backend_context(backend):
                 times[name].append(time_fn(fn, args.seconds, back_to_back=not args.single_calls))
-    return times, checks, visible
+    host = {}
+    for name, (fn, backend) in kernels.items():
+        with backend_context(backend):
+            host[name] = host_seconds(fn)
+    return times, host, checks, visible
+
+
+def host_seconds(fn, calls=21):
+    """The median time a call keeps the host, from an idle GPU (as a single call starts): the
+    part of a single call's time that a stream of calls overlaps with the kernels before it."""
+    spent = []
+    for _ in range(calls):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        spent.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return statistics.median(spent)
 
 
 def main():
@@ -186,7 +205,7 @@ def main():
     device = torch.cuda.get_device_name()
     calls = "single calls" if args.single_calls else "streams of calls"
     print(f"{device}, torch {torch.__version__}, {pass_name}, bf16, {args.rounds} rounds, {calls}")
-    print(f"{'D':>4s} {'L':>6s} {'mask':18s} {'kernel':16s} {'ms':>8s} {'TFLOP/s':>8s} "
+    print(f"{'D':>4s} {'L':>6s} {'mask':18s} {'kernel':16s} {'ms':>8s} {'TFLOP/s':>8s} {'host µs':>8s} "
           f"{'theirs/ours median [min, max] over rounds':>42s}")
     points = [(m, None) for m in args.masks if m != "block_sparse"]
     if "block_sparse" in args.masks:
@@ -198,7 +217,7 @@ def main():
                 if B < 1 or H < 1 or (mask == "block_sparse" and L % 128):
                     sys.exit(f"bench_gpu_paired: expected L <= {args.tokens}, D <= {args.model} "
                              f"(and L a multiple of 128 for block masks), got L = {L}, D = {D}")
-                times, checks, visible = point(B, H, L, D, mask, density, args.backward,
+                times, host, checks, visible = point(B, H, L, D, mask, density, args.backward,
                                                args.flex, args)
                 flops = 4.0 * B * visible * D * (2.5 if args.backward else 1.0)
                 label = f"{mask} {density:g}" if density is not None else mask
@@ -210,9 +229,10 @@ def main():
                        "checks": checks, "kernels": {}}
                 for name, ts in times.items():
                     med = statistics.median(ts)
-                    entry = {"times_s": ts, "median_s": med, "tflops": flops / med * 1e-12}
+                    entry = {"times_s": ts, "median_s": med, "tflops": flops / med * 1e-12,
+                             "host_s": host[name]}
                     line = (f"{D:4d} {L:6d} {label:18s} {name:16s} {med * 1e3:8.3f} "
-                            f"{entry['tflops']:8.1f}")
+                            f"{entry['tflops']:8.1f} {host[name] * 1e6:8.1f}")
                     if name != "flashref":
                         ratios = [t / o for t, o in zip(ts, ours)]
                         entry["theirs_over_ours"] = ratios

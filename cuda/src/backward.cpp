@@ -7,10 +7,12 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "guards.hpp"
 #include "host.hpp"
 #include "launch.hpp"
 
@@ -189,8 +191,14 @@ void enqueue_backward(const device_backward_problem& p, kernel_kind kernel, cons
 
   const std::size_t need = workspace_bytes(p, kernel);
   void* ws = p.workspace;
+  // Without the caller's workspace, flashref's pool lends it: that pool keeps what it has
+  // mapped across synchronizations, where the device's default pool gives it back at each one
+  // and the next call maps it again (measured on an H100: 0.2 to 0.5 ms of a call's host part
+  // at 1 to 134 MB; cuda/NOTES.md, "Pointers and memory in the device entry").
+  std::optional<detail::stream_scratch> scratch;
   if (ws == nullptr) {
-    check(cudaMallocAsync(&ws, need, stream), "cudaMallocAsync (backward workspace)");
+    scratch.emplace("workspace", need, stream);
+    ws = scratch->get();
   } else if (p.workspace_bytes < need) {
     throw problem_error("workspace_bytes: expected at least " + std::to_string(need) + ", got " +
                         std::to_string(p.workspace_bytes));
@@ -220,10 +228,6 @@ void enqueue_backward(const device_backward_problem& p, kernel_kind kernel, cons
         e = detail::launch_simt_backward(bp, to_elem(in), stream);
         break;
     }
-  }
-  if (p.workspace == nullptr) {
-    const cudaError_t freed = cudaFreeAsync(ws, stream);
-    if (e == cudaSuccess) e = freed;
   }
   check(e, kernel == kernel_kind::hopper        ? "hopper backward launch"
            : kernel == kernel_kind::tensor_core ? "tensor-core backward launch"

@@ -238,10 +238,12 @@ namespace detail {
 namespace {
 
 // flashref's pool on `device`, made on first use; null where the device has no stream-ordered
-// allocator. When the streams synchronize it keeps what it has mapped up to kRetainBytes (the
-// flags of a call are a few KiB: in practice the pool's first chunk).
+// allocator. When the streams synchronize it keeps everything it has mapped (the forward's flags
+// are a few KiB, the backward's workspace about B·Hq·Lq·(D + 3) words), as a caching allocator
+// does: the next call of the same size maps nothing. An allocation that fails anywhere on the
+// device makes the driver take back what pools hold unused (tests/cuda/test_faults.cpp).
 cudaMemPool_t scratch_pool(int device) {
-  constexpr std::uint64_t kRetainBytes = std::uint64_t(64) << 20;
+  constexpr std::uint64_t kRetainBytes = ~std::uint64_t(0);
   static std::mutex mutex;
   static std::map<int, cudaMemPool_t> pools;
   const std::lock_guard<std::mutex> lock(mutex);

@@ -12,7 +12,7 @@ namespace flashref::cuda::detail {
 
 // Device memory from flashref's own stream-ordered pool on `stream`'s device: allocated when
 // constructed, freed (stream-ordered, after the work enqueued meanwhile) when destroyed. The
-// pool keeps up to a few MiB mapped across synchronizations, so a call does not map memory.
+// pool keeps what it has mapped across synchronizations, so a call does not map memory again.
 // Throws problem_error naming `field` when the memory cannot be had.
 class stream_scratch {
  public:

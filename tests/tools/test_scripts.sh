@@ -267,6 +267,17 @@ awk '/single calls/ { h = NR } /^\| forward \| 64 / { f = NR } /^\| backward \| 
   sed 's/^/  | /' "$work/log"
   failures=$((failures + 1))
 }
+# Records with the calls' host parts gain two columns: flashref's and the baseline's, in µs.
+mkdir -p "$work/round-paired-host"
+sed -e 's/"median_s": 0.011, "tflops": 500.0}/"median_s": 0.011, "tflops": 500.0, "host_s": 0.0000412}/' \
+  -e 's/"median_s": 0.0099, "tflops": 555.6}/"median_s": 0.0099, "tflops": 555.6, "host_s": 0.000405}/' \
+  "$work/round-paired/paired_backward.json" >"$work/round-paired-host/paired_backward.json"
+expect "gpu-tables adds the host parts where the records carry them" 0 \
+  "\| backward \| 128 \| 16384 \| dense \| 3 \| 11.000 \| .* \| 550.0 \| 0.990 \| 41.2 \| 405.0 \|$" \
+  -- "$tables" "$work/round-paired-host"
+expect "gpu-tables: a record without them shows n/a there" 0 \
+  "\| forward \| 64 \| 16384 \| block-sparse 0.2 \| .* \| n/a \| n/a \| n/a \| n/a \|$" \
+  -- "$tables" "$work/round-paired-host"
 expect "gpu-tables with a paired record without kernels" 2 "paired.json: record 0: expected the kernels of bench_gpu_paired.py" \
   -- "$tables" "$work/round-paired-bad"
 

@@ -45,8 +45,9 @@ struct device_backward_problem {
   device_tensor<4> d_k;  // (B, Hk, Lk, D)  output
   device_tensor<4> d_v;  // (B, Hk, Lk, Dv) output
   // Scratch of at least backward_workspace_bytes(*this) bytes in device memory, 256-byte
-  // aligned; when null, the entry allocates it on the stream (cudaMallocAsync) and frees it
-  // there after the kernels.
+  // aligned; when null, the entry takes it on the stream from flashref's stream-ordered pool
+  // and frees it there after the kernels (the pool keeps what it has mapped for the next call;
+  // the driver takes it back when an allocation elsewhere fails).
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   // true: bitwise the same gradients on every run. Where the hopper kernel (D = 64, 128) forms
