@@ -205,8 +205,8 @@ def main():
     device = torch.cuda.get_device_name()
     calls = "single calls" if args.single_calls else "streams of calls"
     print(f"{device}, torch {torch.__version__}, {pass_name}, bf16, {args.rounds} rounds, {calls}")
-    print(f"{'D':>4s} {'L':>6s} {'mask':18s} {'kernel':16s} {'ms':>8s} {'TFLOP/s':>8s} {'host µs':>8s} "
-          f"{'theirs/ours median [min, max] over rounds':>42s}")
+    print(f"{'D':>4s} {'L':>6s} {'mask':18s} {'kernel':16s} {'ms':>8s} {'TFLOP/s':>8s} "
+          f"{'host µs':>8s} {'theirs/ours median [min, max] over rounds':>42s}")
     points = [(m, None) for m in args.masks if m != "block_sparse"]
     if "block_sparse" in args.masks:
         points += [("block_sparse", d) for d in args.densities]
@@ -217,8 +217,8 @@ def main():
                 if B < 1 or H < 1 or (mask == "block_sparse" and L % 128):
                     sys.exit(f"bench_gpu_paired: expected L <= {args.tokens}, D <= {args.model} "
                              f"(and L a multiple of 128 for block masks), got L = {L}, D = {D}")
-                times, host, checks, visible = point(B, H, L, D, mask, density, args.backward,
-                                               args.flex, args)
+                times, host, checks, visible = point(B, H, L, D, mask, density,
+                                                     args.backward, args.flex, args)
                 flops = 4.0 * B * visible * D * (2.5 if args.backward else 1.0)
                 label = f"{mask} {density:g}" if density is not None else mask
                 ours = times["flashref"]
