@@ -305,21 +305,29 @@ __device__ __forceinline__ bool key_visible(const mask_spec& m, std::int64_t b, 
 
 // Visibility of keys j0 + 8 nb + c (nb < kBlocks, c < 2) to query row i, one bit each
 // (bit 2 nb + c): the keys one thread holds of a row in the m16n8 accumulator layout. The
-// row's key interval (mask_spec::row_range: causal, window, kv_len) once, then per key the
-// interval test and, with a block mask, its block: mask_spec::visible's rule.
-template <int kBlocks>
+// row's key interval (mask_spec::row_range: causal, window, kv_len) once, then the keys in it
+// as one run of bits (offsets_in) or, with a block mask, per key the interval test and its
+// block: mask_spec::visible's rule. kPerKey tests each key against the interval instead of
+// taking the run (the same bits): the Hopper forward's 176-key tiles, whose 240-register
+// consumers spill 8 bytes with the run's arithmetic, and whose rows are long enough (8192 keys
+// and more) that their partial tiles are one in fifty.
+template <int kBlocks, bool kPerKey = false>
 __device__ __forceinline__ std::uint32_t key_bits(const mask_spec& m, std::int64_t b,
                                                   std::int64_t h, std::int64_t i, std::int64_t j0) {
   if (i >= m.len_q) return 0;  // rows past the end of the problem see nothing
   const key_range r = m.row_range(b, i);
   std::uint32_t bits = 0;
   if (m.block_mask == nullptr) {
+    if constexpr (kPerKey) {
 #pragma unroll
-    for (int n = 0; n < 2 * kBlocks; ++n) {
-      const std::int64_t j = j0 + (n / 2) * 8 + n % 2;
-      if (j >= r.lo && j < r.hi) bits |= 1u << n;
+      for (int n = 0; n < 2 * kBlocks; ++n) {
+        const std::int64_t j = j0 + (n / 2) * 8 + n % 2;
+        if (j >= r.lo && j < r.hi) bits |= 1u << n;
+      }
+      return bits;
+    } else {
+      return offsets_in<kBlocks>(r.lo - j0, r.hi - j0);
     }
-    return bits;
   }
   const std::int64_t qb = i / m.block_q;
 #pragma unroll 1
@@ -348,27 +356,15 @@ __device__ __forceinline__ std::uint32_t query_bits(const mask_spec& m, std::int
 }
 
 // The same given the key's row interval `r` (mask_spec::query_range: causal, window, kv_len):
-// without a block mask, per row one test against the interval (per row a row_range before:
-// about six times a full tile's instructions per partial tile in the Hopper dK, dV kernel,
-// cuda/NOTES.md b3.6); with one, per row as above.
+// without a block mask, the rows in it as one run of bits (offsets_in; per row a row_range
+// before: about six times a full tile's instructions per partial tile in the Hopper dK, dV
+// kernel, cuda/NOTES.md b3.6); with one, per row as above.
 template <int kBlocks>
 __device__ __forceinline__ std::uint32_t query_bits(const mask_spec& m, std::int64_t b,
                                                     std::int64_t h, std::int64_t j, std::int64_t i0,
                                                     const key_range& r) {
   if (m.block_mask != nullptr) return query_bits<kBlocks>(m, b, h, j, i0);
-  // The interval relative to i0, clamped to the rows at hand: 32-bit tests.
-  constexpr std::int64_t kSpan = 8 * kBlocks;
-  const auto rel = [&](std::int64_t x) {
-    return static_cast<int>(x < i0 ? -1 : x - i0 > kSpan ? kSpan : x - i0);
-  };
-  const int lo = rel(r.lo), hi = rel(r.hi);
-  std::uint32_t bits = 0;
-#pragma unroll
-  for (int n = 0; n < 2 * kBlocks; ++n) {
-    const int off = (n / 2) * 8 + n % 2;
-    if (off >= lo && off < hi) bits |= 1u << n;
-  }
-  return bits;
+  return offsets_in<kBlocks>(r.lo - i0, r.hi - i0);
 }
 
 // Accumulator element e (0..3) of n8 block nb in the visibility words of key_bits / query_bits:

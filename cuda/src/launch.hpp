@@ -50,6 +50,64 @@ struct kernel_params {
   std::int64_t run_if_count = 0;
 };
 
+// The offsets 8 nb + c (nb < kBlocks, c < 2; bit 2 nb + c) that lie in [lo, hi): the keys (or
+// query rows) one thread holds of an accumulator row in the m16n8 layout, relative to its
+// first, against the row's interval of visible keys (or the key's of rows). The offsets grow
+// with the bit, so those below a bound x form a run of low bits, 2 (x / 8) + min(x % 8, 2) of
+// them for 0 < x < 8 kBlocks: a few integer operations per row where a test per offset took
+// two 64-bit comparisons (cuda/NOTES.md, h22).
+template <int kBlocks>
+FLASHREF_INLINE std::uint32_t offsets_below(std::int64_t x) {
+  static_assert(kBlocks >= 1 && kBlocks <= 16, "at most 32 offsets");
+  // x clamped to [0, 8 kBlocks - 6]: 2 kBlocks offsets lie below that bound already.
+  constexpr std::int64_t kTop = 8 * kBlocks - 6;
+  const int xi = static_cast<int>(x < 0 ? 0 : x > kTop ? kTop : x);
+  const int rem = xi & 7;
+  const int n = 2 * (xi >> 3) + (rem < 2 ? rem : 2);  // 0 .. 2 kBlocks
+  return n == 0 ? 0u : ~0u >> (32 - n);
+}
+template <int kBlocks>
+FLASHREF_INLINE std::uint32_t offsets_in(std::int64_t lo, std::int64_t hi) {
+  return offsets_below<kBlocks>(hi) & ~offsets_below<kBlocks>(lo);
+}
+
+// The order of the Hopper forward's work items (hopper/scheduler.cuh): query tiles of every
+// (batch, query head), taken by persistent blocks as they free up. The (batch, head) pairs go in
+// groups whose K and V fit together in a slice of L2 (kWorkGroupBytes of 16-bit keys and values;
+// one pair where a head's alone is more), and within a group the heaviest query tiles come first
+// across all of its heads: under a causal mask the last query tile of each head, then the one
+// before, and so on. With one head per group, the last items of the launch would be one head's
+// tiles from the heaviest down, so that a block drawing that head's heaviest tile near the end
+// finishes long after the others (about 6 % of a causal launch at L = 1024 and 4096 in a model
+// of the counter's greedy order); across a group the tail is made of the lightest tiles.
+inline constexpr std::int64_t kWorkGroupBytes = std::int64_t(8) << 20;
+
+// (batch, query head) pairs per group for p: at least 1, at most all of them.
+FLASHREF_INLINE std::int64_t work_group_heads(const kernel_params& p) {
+  const std::int64_t per_head = 4 * p.len_k * p.head_dim;  // K and V of one head, 2 bytes each
+  const std::int64_t pairs = p.batch * p.heads_q;
+  const std::int64_t g = per_head > 0 ? kWorkGroupBytes / per_head : pairs;
+  return g < 1 ? 1 : g > pairs ? pairs : g;
+}
+
+// Work item `work` (0 <= work < tiles_q * pairs) of a problem with tiles_q query tiles per
+// head, `pairs` (batch, query head) pairs and `group` = work_group_heads(p): its pair
+// b * heads_q + h and its query tile, tiles_q - 1 being the last (under a causal mask, the
+// heaviest). I is int on the device (the host checks that the items number below 2^31).
+template <class I>
+struct work_place {
+  I pair;
+  I tile;
+};
+template <class I>
+FLASHREF_INLINE work_place<I> work_place_of(I work, I tiles_q, I pairs, I group) {
+  const I first = work / (group * tiles_q) * group;  // the group's first pair
+  const I size = pairs - first < group ? pairs - first : group;
+  const I r = work - first * tiles_q;  // rank in the group: the tile's rank, then the pair
+  const I rank = r / size;
+  return {first + (r - rank * size), tiles_q - 1 - rank};
+}
+
 // Tensor-core kernels: input bf16 or f16, head_dim == head_dim_v in {64, 128}, unit stride in
 // the last dimension and 16-byte aligned rows (checked by the caller).
 cudaError_t launch_tensor_core(const kernel_params& p, elem input, cudaStream_t stream);

@@ -1,9 +1,11 @@
 // Host-side rules of the CUDA backend that need no device, so that every build checks them:
 // the fixed-point scale of the Hopper backward's dQ (launch.hpp, dq_fixed_scale), on which its
-// bitwise determinism and its range argument rest (hopper/backward.cuh, "dQ in fixed point").
+// bitwise determinism and its range argument rest (hopper/backward.cuh, "dQ in fixed point"),
+// and the order of the Hopper forward's work items (launch.hpp, work_place_of).
 #define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -55,4 +57,113 @@ TEST_CASE("dq_fixed_scale: a zero bound gives 1, a bound that is not finite 0, a
     REQUIRE(dq_fixed_scale(b) == 0x1p127f);
     REQUIRE(double(b) * 0x1p127 < 0x1p29);
   }
+}
+
+namespace {
+
+using flashref::cuda::detail::kernel_params;
+using flashref::cuda::detail::kWorkGroupBytes;
+using flashref::cuda::detail::work_group_heads;
+using flashref::cuda::detail::work_place_of;
+
+kernel_params work_problem(std::int64_t batch, std::int64_t heads, std::int64_t len_k,
+                           std::int64_t head_dim) {
+  kernel_params p{};
+  p.batch = batch, p.heads_q = heads, p.len_k = len_k, p.head_dim = head_dim;
+  return p;
+}
+
+}  // namespace
+
+TEST_CASE("the Hopper forward's work order: every tile once, heaviest first in each group",
+          "[cuda][host]") {
+  // (B, H, Lk, D): groups of 16 heads (K and V of 512 KiB each), of 4 (2 MiB), of one head (more
+  // than the group's bytes alone), a group cut short at the end (24 pairs in groups of 16), and
+  // all pairs in one group.
+  struct shape {
+    std::int64_t b, h, l, d, tiles_q, group;
+  };
+  const shape shapes[] = {{16, 16, 1024, 128, 8, 16},  {4, 16, 4096, 128, 32, 4},
+                          {1, 16, 16384, 128, 128, 1}, {2, 12, 1024, 128, 8, 16},
+                          {1, 3, 512, 64, 4, 3},       {3, 5, 100000, 256, 7, 1}};
+  for (const shape& s : shapes) {
+    CAPTURE(s.b, s.h, s.l, s.d);
+    const kernel_params p = work_problem(s.b, s.h, s.l, s.d);
+    const std::int64_t group = work_group_heads(p);
+    CHECK(group == s.group);
+    CHECK(group ==
+          std::min(s.b * s.h, std::max<std::int64_t>(1, kWorkGroupBytes / (4 * s.l * s.d))));
+    const std::int64_t pairs = s.b * s.h, items = pairs * s.tiles_q;
+    std::vector<int> seen(static_cast<std::size_t>(items), 0);
+    std::int64_t prev_group = 0, prev_tile = s.tiles_q, prev_pair = -1;
+    for (std::int64_t work = 0; work < items; ++work) {
+      const auto at = work_place_of<int>(static_cast<int>(work), static_cast<int>(s.tiles_q),
+                                         static_cast<int>(pairs), static_cast<int>(group));
+      CAPTURE(work, at.pair, at.tile);
+      REQUIRE(at.pair >= 0);
+      REQUIRE(at.pair < pairs);
+      REQUIRE(at.tile >= 0);
+      REQUIRE(at.tile < s.tiles_q);
+      ++seen[static_cast<std::size_t>(at.pair * s.tiles_q + at.tile)];
+      // The host's 64-bit form gives the same place.
+      const auto wide = work_place_of<std::int64_t>(work, s.tiles_q, pairs, group);
+      CHECK(wide.pair == at.pair);
+      CHECK(wide.tile == at.tile);
+      // Groups in order; within one, tiles from the last down, each across the group's pairs.
+      const std::int64_t g = at.pair / group;
+      REQUIRE(g >= prev_group);
+      if (g == prev_group) {
+        REQUIRE(at.tile <= prev_tile);
+        if (at.tile == prev_tile) REQUIRE(at.pair == prev_pair + 1);
+      } else {
+        REQUIRE(at.tile == s.tiles_q - 1);
+      }
+      prev_group = g, prev_tile = at.tile, prev_pair = at.pair;
+    }
+    for (std::int64_t n = 0; n < items; ++n)
+      REQUIRE(seen[static_cast<std::size_t>(n)] == 1);
+  }
+}
+
+namespace {
+
+// offsets_in's definition, one offset at a time.
+template <int kBlocks>
+std::uint32_t offsets_in_by_test(std::int64_t lo, std::int64_t hi) {
+  std::uint32_t bits = 0;
+  for (int n = 0; n < 2 * kBlocks; ++n) {
+    const std::int64_t off = (n / 2) * 8 + n % 2;
+    if (off >= lo && off < hi) bits |= 1u << n;
+  }
+  return bits;
+}
+
+template <int kBlocks>
+void check_offsets_in() {
+  CAPTURE(kBlocks);
+  const std::int64_t far = std::int64_t(1) << 40;
+  std::vector<std::int64_t> bounds = {-far, -far + 1, far,
+                                      std::numeric_limits<std::int64_t>::max() / 2};
+  for (std::int64_t x = -20; x <= 8 * kBlocks + 20; ++x)
+    bounds.push_back(x);
+  for (const std::int64_t lo : bounds)
+    for (const std::int64_t hi : bounds) {
+      CAPTURE(lo, hi);
+      REQUIRE(flashref::cuda::detail::offsets_in<kBlocks>(lo, hi) ==
+              offsets_in_by_test<kBlocks>(lo, hi));
+    }
+}
+
+}  // namespace
+
+TEST_CASE("offsets_in gives the bits of the offsets in an interval, as one test per offset does",
+          "[cuda][host]") {
+  // Every width the kernels use (n8 blocks of a 16- to 128-wide row or column strip), every
+  // interval around them, empty and reversed ones included.
+  check_offsets_in<1>();
+  check_offsets_in<2>();
+  check_offsets_in<4>();
+  check_offsets_in<8>();
+  check_offsets_in<11>();
+  check_offsets_in<16>();
 }

@@ -204,6 +204,36 @@ expect "check-ptxas-report: a log without a report" 2 "expected ptxas resource l
 expect "check-ptxas-report: a missing log" 2 "BUILD_LOG: expected a readable file" \
   -- "$ptx" "$work/no-such.log"
 
+# scripts/check-sass-overlap: the overlapped loop's exponentials between its two waits.
+sass=$root/scripts/check-sass-overlap
+overlapped_loop() {  # overlapped_loop EXPONENTIALS: SASS of one kernel's loop body
+  echo "        Function : _Z13hopper_kernelILi128EEvv"
+  echo "        /*0100*/  HGMMA.64x128x16.F32.BF16 R24, gdesc[UR8], R24, gsb0 ;"
+  echo "        /*0110*/  WARPGROUP.DEPBAR.LE gsb0, 0x1 ;"
+  for ((n = 0; n < $1; ++n)); do echo "        /*0120*/  MUFU.EX2 R24, R24 ;"; done
+  echo "        /*0130*/  WARPGROUP.DEPBAR.LE gsb0, 0x0 ;"
+}
+overlapped_loop 64 >"$work/sass-ok.txt"
+{
+  overlapped_loop 66
+  echo "        Function : _Z13hopper_kernelILi176EEvv"
+  echo "        /*0110*/  WARPGROUP.DEPBAR.LE gsb0, 0x1 ;"
+  echo "        /*0130*/  WARPGROUP.DEPBAR.LE gsb0, 0x0 ;"
+  echo "        /*0140*/  MUFU.EX2 R24, R24 ;"
+} >"$work/sass-hoisted.txt"
+echo "        Function : _Z6serialv" >"$work/sass-none.txt"
+expect "check-sass-overlap: the softmax between the waits" 0 "1 kernels with the overlapped loop, 0 findings" \
+  -- "$sass" "$work/sass-ok.txt"
+expect "check-sass-overlap: the wait for P V ahead of the softmax is a finding" 1 \
+  "_Z13hopper_kernelILi176EEvv: 0 MUFU.EX2 between the wait for S and the wait for P V" \
+  -- "$sass" "$work/sass-hoisted.txt"
+expect "check-sass-overlap: fewer exponentials than asked for" 1 "64 MUFU.EX2 between" \
+  -- "$sass" "$work/sass-ok.txt" 65
+expect "check-sass-overlap: SASS without the loop" 2 "expected SASS of a Hopper kernel" \
+  -- "$sass" "$work/sass-none.txt"
+expect "check-sass-overlap: a missing file" 2 "SASS_FILE: expected a readable file" \
+  -- "$sass" "$work/no-such.txt"
+
 # scripts/gpu-tables: a round's JSON as the docs' tables, or one line naming what is wrong.
 tables=$root/scripts/gpu-tables
 mkdir -p "$work/round-empty" "$work/round-bad" "$work/round-ok"

@@ -213,11 +213,21 @@ __device__ void consume_overlapped(const Params& hp, const tile_work& w, int con
     float exp_old[2];
     probabilities(rS, info, exp_old);  // under P_{j-1} V_{j-1}
 
-    wgmma_wait<0>();
+    // Wait for P_{j-1} V_{j-1}, in both arms of the branch on whether a row's max moved. With
+    // the wait in one basic block with the softmax, ptxas issued it (with the WARPGROUP.ARRIVE
+    // and V's release) ahead of the whole softmax, which then ran after the product instead
+    // of under it: no exponential between the two waits in the SASS (cuda/NOTES.md, h23).
+    // ptxas does not move it above the branch, which needs the softmax's row maxima.
+    if (rows_moved(exp_old)) {
+      wgmma_wait<0>();
+      fence_operands(rO);
+      scale_rows(rO, exp_old);
+    } else {
+      wgmma_wait<0>();
+    }
     fence_operands(rO);
     fence_fragments(rP);
     ring.release_v(prev);
-    rescale_rows(rO, exp_old);
     to_a_fragments<T>(rS, rP);
   }
   // Stage ring.it closes the item: Q is read no more. The last tile's P V (its V was waited
@@ -234,7 +244,8 @@ __device__ void consume_overlapped(const Params& hp, const tile_work& w, int con
   if constexpr (block_shape<kC, kK>::kWide) {
     // The item's rows formed afresh from its number (the closing stage carries it), so that
     // the 240 registers of a wide tile's loop do not also hold the rows' end across it.
-    const tile_work rows = work_tile<tiles<kD, kC, kK>::kTileQ>(p, opaque(info.work));
+    const tile_work rows =
+        work_tile<tiles<kD, kC, kK>::kTileQ>(p, hp.work_group, opaque(info.work));
     store_item<T>(hp, smem, consumer, rows, at, rO, softmax, ring.nonfinite_flag());
   } else {
     store_item<T>(hp, smem, consumer, w, at, rO, softmax, ring.nonfinite_flag());
@@ -301,7 +312,8 @@ __device__ void consume_serial(const Params& hp, const tile_work& w, int consume
 // With `nonfinite_flags` set, each consumer warp writes its word of them when the block's work
 // is done: flags[block * 4 kC + warp] = 1 when a value it stored was NaN or inf, else 0. With
 // hp.o_tma (where the block stages O: tiles.cuh's kStageO) the epilogues store O by TMA
-// (store_item). Params: p, nonfinite_flags, o_tma and o_map (hopper.cu's hopper_params).
+// (store_item). Params: p, work_group, nonfinite_flags, o_tma and o_map (hopper.cu's
+// hopper_params).
 template <class T, int kD, int kC, int kK, class Params>
 __device__ void consume(const Params& hp, int consumer, const shared_tiles<kD, kC, kK>& smem,
                         block_barriers<kD, kC, kK>& bar) {
@@ -318,7 +330,7 @@ __device__ void consume(const Params& hp, int consumer, const shared_tiles<kD, k
       if (t::kStageO && hp.o_tma) finish_staged_stores();
       return;
     }
-    const tile_work w = work_tile<t::kTileQ>(p, first.work);
+    const tile_work w = work_tile<t::kTileQ>(p, hp.work_group, first.work);
     if (first.tile == kNoMoreTiles) {
       ring.release(ring.stage(ring.it++));
       fragment_softmax none;

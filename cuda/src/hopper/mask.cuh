@@ -59,8 +59,8 @@ struct tile_mask {
     std::uint32_t visible[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      visible[r] = detail::key_bits<kBlocks>(mask, w.b, w.h, w.q0 + at.row0 + 8 * r,
-                                             tile * (2 * kN) + 8 * kFirst + at.col0);
+      visible[r] = detail::key_bits<kBlocks, (kN > 64)>(mask, w.b, w.h, w.q0 + at.row0 + 8 * r,
+                                                        tile * (2 * kN) + 8 * kFirst + at.col0);
     }
 #pragma unroll
     for (int i = 0; i < 4 * kBlocks; ++i) {

@@ -96,7 +96,7 @@ __device__ __forceinline__ producer_counts produce_item(const Params& hp, unsign
   const tensor_maps& maps = hp.maps;
   const shared_tiles<kD, kC, kK> smem(raw);  // rebuilt here: fewer registers live across the call
   const bool leader = threadIdx.x % 32 == 0;
-  const tile_work w = work_tile<t::kTileQ>(p, work);
+  const tile_work w = work_tile<t::kTileQ>(p, hp.work_group, work);
   // A block without a block mask (block_shape::kBlockMask) walks a range in fewer registers.
   using walker_type = std::conditional_t<block_shape<kC, kK>::kBlockMask, tile_walker<t::kTileK>,
                                          range_walker<t::kTileK>>;
@@ -162,7 +162,8 @@ __device__ __noinline__ producer_counts produce_item_call(const Params& hp, unsi
 
 // The producer warp's loop over the block's work items; the stage ring and its phases run on
 // across items, and after the last one a stage closes the block's items. Params: p (the
-// problem), maps (tensor_maps) and work_counter (scheduler.cuh's next_work).
+// problem), maps (tensor_maps), work_counter (scheduler.cuh's next_work) and work_group (its
+// work_tile).
 template <class T, int kD, int kC, int kK, class Params>
 __device__ void produce(const Params& hp, unsigned char* raw, block_barriers<kD, kC, kK>& bar) {
   const int items = static_cast<int>(work_items<tiles<kD, kC, kK>::kTileQ>(hp.p));  // < 2^31

@@ -1,11 +1,11 @@
 #pragma once
 // Which query tile a block computes next. The kernel is persistent: one block per SM walks
-// work items (query tile, head, batch) in the order below, each block taking the next free item
-// from a counter in global memory when the producer starts its current one (so that blocks
-// that drew short tiles take more). Items are numbered with the query tile fastest and the
-// heaviest tiles first: under a causal mask (or any mask whose row intervals grow with the
-// row) the last query tiles see the most keys, so they start while the short ones fill the
-// tail; the tiles of one head run close together and share its K and V in L2.
+// work items (query tile, head, batch) in the order of launch.hpp's work_place_of, each block
+// taking the next free item from a counter in global memory when the producer starts its current
+// one (so that blocks that drew short tiles take more): the (batch, head) pairs in groups whose
+// K and V share L2, and within a group the heaviest query tiles first across its heads (under a
+// causal mask or a window no query tile sees more keys than the last), so that the launch ends on
+// the lightest tiles of its last group. Other masks take groups of one pair (hopper.cu).
 
 #include <cstdint>
 
@@ -25,17 +25,19 @@ __host__ __device__ inline std::int64_t work_items(const kernel_params& p) {
   return (p.len_q + kTileQ - 1) / kTileQ * p.heads_q * p.batch;
 }
 
-// Work item `work` (0 <= work < work_items<kTileQ>(p)) as the rows it covers.
+// Work item `work` (0 <= work < work_items<kTileQ>(p)) as the rows it covers; `group` is
+// work_group_heads(p) (the host's, in the kernel's parameters).
 template <int kTileQ>
-__device__ __forceinline__ tile_work work_tile(const kernel_params& p, int work) {
+__device__ __forceinline__ tile_work work_tile(const kernel_params& p, int group, int work) {
   const int len_q = static_cast<int>(p.len_q), heads_q = static_cast<int>(p.heads_q);
   const int tiles_q = (len_q + kTileQ - 1) / kTileQ;
-  const int bh = work / tiles_q;
+  const int pairs = static_cast<int>(p.batch) * heads_q;
+  const work_place<int> at = work_place_of<int>(work, tiles_q, pairs, group);
   tile_work w;
-  w.q0 = (tiles_q - 1 - (work - bh * tiles_q)) * kTileQ;
+  w.q0 = at.tile * kTileQ;
   w.q1 = w.q0 + kTileQ < len_q ? w.q0 + kTileQ : len_q;
-  w.h = bh % heads_q;
-  w.b = bh / heads_q;
+  w.h = at.pair % heads_q;
+  w.b = at.pair / heads_q;
   w.hk = w.h / static_cast<int>(p.group);
   return w;
 }

@@ -97,12 +97,20 @@ struct fragment_softmax {
 // Once a row's max has settled this is most tiles: with scores that are alike across the keys,
 // a warp's 16 rows see a new max in about 16 / j of tile j, so the multiplies of O (kN per
 // thread, against kN / 2 ... kN exponentials at D = 256 ... 64) run on a few tiles out of many.
+// rows_moved is the vote (whether a row of the warp has a factor other than 1), scale_rows the
+// multiplies.
+__device__ __forceinline__ bool rows_moved(const float (&exp_old)[2]) {
+  return __any_sync(kFullWarp, exp_old[0] != 1.f || exp_old[1] != 1.f);
+}
 template <int kN>
-__device__ __forceinline__ void rescale_rows(float (&acc)[kN], const float (&exp_old)[2]) {
-  if (!__any_sync(kFullWarp, exp_old[0] != 1.f || exp_old[1] != 1.f)) return;
+__device__ __forceinline__ void scale_rows(float (&acc)[kN], const float (&exp_old)[2]) {
 #pragma unroll
   for (int i = 0; i < kN; ++i)
     acc[i] *= exp_old[(i % 4) / 2];
+}
+template <int kN>
+__device__ __forceinline__ void rescale_rows(float (&acc)[kN], const float (&exp_old)[2]) {
+  if (rows_moved(exp_old)) scale_rows(acc, exp_old);
 }
 
 }  // namespace flashref::cuda::detail::sm90
