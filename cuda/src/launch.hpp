@@ -91,7 +91,8 @@ FLASHREF_INLINE std::int64_t work_group_heads(const kernel_params& p) {
 }
 
 // Work item `work` (0 <= work < tiles_q * pairs) of a problem with tiles_q query tiles per
-// head, `pairs` (batch, query head) pairs and `group` = work_group_heads(p): its pair
+// head, `pairs` (batch, query head) pairs and `group` pairs per group (work_group_heads(p), or
+// 1 for one head after another, as hopper.cu passes where the items are not graded): its pair
 // b * heads_q + h and its query tile, tiles_q - 1 being the last (under a causal mask, the
 // heaviest). I is int on the device (the host checks that the items number below 2^31).
 template <class I>

@@ -25,8 +25,9 @@ __host__ __device__ inline std::int64_t work_items(const kernel_params& p) {
   return (p.len_q + kTileQ - 1) / kTileQ * p.heads_q * p.batch;
 }
 
-// Work item `work` (0 <= work < work_items<kTileQ>(p)) as the rows it covers; `group` is
-// work_group_heads(p) (the host's, in the kernel's parameters).
+// Work item `work` (0 <= work < work_items<kTileQ>(p)) as the rows it covers; `group` is the
+// kernel parameters' work_group (hopper.cu: work_group_heads(p) under a causal mask or a
+// window, else 1).
 template <int kTileQ>
 __device__ __forceinline__ tile_work work_tile(const kernel_params& p, int group, int work) {
   const int len_q = static_cast<int>(p.len_q), heads_q = static_cast<int>(p.heads_q);
