@@ -50,6 +50,26 @@ struct kernel_params {
   std::int64_t run_if_count = 0;
 };
 
+// A wgmma matrix descriptor of a tile in the 128-byte swizzle layout (hopper/sm90.cuh describes
+// the layout and the lbo and sbo of each operand): the start address over 16 in bits 0-13, lbo
+// over 16 in bits 16-29, sbo over 16 in bits 32-45, the swizzle mode in bits 62-63.
+FLASHREF_INLINE std::uint64_t sw128_desc(std::uint32_t addr, std::uint32_t lbo, std::uint32_t sbo) {
+  constexpr std::uint64_t kSwizzle128 = 1;
+  return std::uint64_t((addr & 0x3FFFF) >> 4) | (std::uint64_t((lbo >> 4) & 0x3FFF) << 16) |
+         (std::uint64_t((sbo >> 4) & 0x3FFF) << 32) | (kSwizzle128 << 62);
+}
+// desc with its start moved `bytes` further (a multiple of 16): sw128_desc(addr + bytes, lbo,
+// sbo) for desc = sw128_desc(addr, lbo, sbo), the same bits, as one 32-bit add to the low word.
+// The start field (bits 0-13) holds the address over 16, below 2^14 for any address of the
+// block's shared memory (under 256 KiB), so the add never carries out of it. Formed this way,
+// the descriptors of one tile's k-steps cost an add each from one base instead of the mask,
+// shift and or of sw128_desc per product (ptxas cannot fold (addr + bytes) & mask >> 4 into a
+// sum: the tile loop issued about 12 integer instructions per wgmma for them).
+FLASHREF_INLINE std::uint64_t sw128_advance(std::uint64_t desc, std::uint32_t bytes) {
+  const std::uint32_t lo = static_cast<std::uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 // The offsets 8 nb + c (nb < kBlocks, c < 2; bit 2 nb + c) that lie in [lo, hi): the keys (or
 // query rows) one thread holds of an accumulator row in the m16n8 layout, relative to its
 // first, against the row's interval of visible keys (or the key's of rows). The offsets grow

@@ -74,13 +74,13 @@ struct box_tile {
   // K-major operand (the head dim is the k dimension): rows [row0, row0 + 64 or n) of the tile,
   // k-step ks (16 columns of the head dim).
   __device__ static std::uint64_t k_major(const unsigned char* base, int row0, int ks) {
-    return sw128_desc(smem_addr(base) + (ks / 4) * kBoxBytes + row0 * 128 + (ks % 4) * 32, 16,
-                      kAtomBytes);
+    return sw128_advance(sw128_desc(smem_addr(base) + row0 * 128, 16, kAtomBytes),
+                         (ks / 4) * kBoxBytes + (ks % 4) * 32);
   }
   // MN-major operand (the rows are the k dimension, the head dim the n dimension): rows
   // [16 kk, 16 kk + 16), every column.
   __device__ static std::uint64_t mn_major(const unsigned char* base, int kk) {
-    return sw128_desc(smem_addr(base) + kk * 16 * 128, kBoxBytes, kAtomBytes);
+    return sw128_advance(sw128_desc(smem_addr(base), kBoxBytes, kAtomBytes), kk * 16 * 128);
   }
 };
 

@@ -41,10 +41,11 @@ __device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD
                                            int q_slot, int consumer, int stage) {
   constexpr bool kFormed = block_shape<kC, kK>::kWide || tiles<kD, kC, kK>::kQStages > 1;
   std::uint64_t q0 = 0;
-  if constexpr (kFormed) q0 = opaque(smem.q_desc(q_slot, consumer, 0));
+  if constexpr (kFormed) q0 = opaque(smem.q_desc0(q_slot, consumer));
 #pragma unroll
   for (int ks = 0; ks < kD / 16; ++ks) {
-    const std::uint64_t desc_q = kFormed ? q0 + smem.q_step(ks) : smem.q_desc(q_slot, consumer, ks);
+    const std::uint64_t desc_q =
+        kFormed ? sw128_advance(q0, smem.q_step(ks)) : smem.q_desc(q_slot, consumer, ks);
     if constexpr (kS == 32) {
       wgmma_ss_n64<T>(s, desc_q, smem.k_desc(stage, ks), ks > 0 ? 1 : 0);
     } else if constexpr (kS == 40) {
@@ -69,9 +70,9 @@ __device__ __forceinline__ void pv_product(float (&acc)[kD / 2], const std::uint
     wgmma_rs_n128<T>(acc, a, desc_v);
   } else {
     static_assert(kD == 256, "head dims 64, 128, 256");
-    constexpr std::uint64_t kHalf = (2 * key_tiles<kD, kK>::kKVBoxBytes) >> 4;  // descriptor units
+    constexpr std::uint32_t kHalf = 2 * key_tiles<kD, kK>::kKVBoxBytes;  // bytes
     wgmma_rs_n128<T>(*reinterpret_cast<float(*)[64]>(&acc[0]), a, desc_v);
-    wgmma_rs_n128<T>(*reinterpret_cast<float(*)[64]>(&acc[64]), a, desc_v + kHalf);
+    wgmma_rs_n128<T>(*reinterpret_cast<float(*)[64]>(&acc[64]), a, sw128_advance(desc_v, kHalf));
   }
 }
 

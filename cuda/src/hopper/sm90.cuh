@@ -187,11 +187,6 @@ __device__ __forceinline__ int opaque(int x) {
 //     elements moves the start by 32 bytes inside the atom.
 //   MN-major operand (V as B of P V): sbo = 1024 (the next 8 keys), lbo = the distance to the
 //     next 64 columns (the next TMA box).
-__device__ __forceinline__ std::uint64_t sw128_desc(std::uint32_t addr, std::uint32_t lbo,
-                                                    std::uint32_t sbo) {
-  constexpr std::uint64_t kSwizzle128 = 1;
-  return std::uint64_t((addr & 0x3FFFF) >> 4) | (std::uint64_t((lbo >> 4) & 0x3FFF) << 16) |
-         (std::uint64_t((sbo >> 4) & 0x3FFF) << 32) | (kSwizzle128 << 62);
-}
+// sw128_desc and sw128_advance (launch.hpp, where the host tests reach them) form them.
 
 }  // namespace flashref::cuda::detail::sm90

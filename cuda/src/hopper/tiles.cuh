@@ -199,23 +199,30 @@ struct shared_tiles {
   // Q rows of consumer warpgroup `wg` in Q buffer `slot`, k-step `ks` (16 columns of the head
   // dim).
   __device__ std::uint64_t q_desc(int slot, int wg, int ks) const {
-    return sw128_desc(smem_addr(q_stage(slot)) + (ks / 4) * t::kQBoxBytes +
-                          wg * kRowsPerConsumer * 128 + (ks % 4) * 32,
-                      16, kAtomBytes);
+    return sw128_advance(q_desc0(slot, wg), q_step(ks));
   }
-  // q_desc(wg, ks) - q_desc(wg, 0): the start field's offset (shared memory lies below
-  // 256 KiB, so the sum never carries out of that field).
-  __device__ static constexpr std::uint64_t q_step(int ks) {
-    return static_cast<std::uint64_t>((ks / 4) * t::kQBoxBytes + (ks % 4) * 32) >> 4;
+  // q_desc(slot, wg, 0): k-step ks is sw128_advance(q_desc0, q_step(ks)), an add.
+  __device__ std::uint64_t q_desc0(int slot, int wg) const {
+    return sw128_desc(smem_addr(q_stage(slot)) + wg * kRowsPerConsumer * 128, 16, kAtomBytes);
+  }
+  // Bytes from k-step 0 to k-step ks of a K-major tile of kBoxBytes-byte boxes.
+  template <int kBoxBytes>
+  __device__ static constexpr std::uint32_t k_major_step(int ks) {
+    return static_cast<std::uint32_t>((ks / 4) * kBoxBytes + (ks % 4) * 32);
+  }
+  // Q's k-step ks from k-step 0, in bytes.
+  __device__ static constexpr std::uint32_t q_step(int ks) {
+    return k_major_step<t::kQBoxBytes>(ks);
   }
   // All t::kTileK keys of stage s, k-step ks over the head dim.
   __device__ std::uint64_t k_desc(int s, int ks) const {
-    return sw128_desc(smem_addr(k_stage(s)) + (ks / 4) * t::kKVBoxBytes + (ks % 4) * 32, 16,
-                      kAtomBytes);
+    return sw128_advance(sw128_desc(smem_addr(k_stage(s)), 16, kAtomBytes),
+                         k_major_step<t::kKVBoxBytes>(ks));
   }
   // Keys [16 kk, 16 kk + 16) of stage s, every column of the head dim (MN-major).
   __device__ std::uint64_t v_desc(int s, int kk) const {
-    return sw128_desc(smem_addr(v_stage(s)) + kk * 16 * 128, t::kKVBoxBytes, kAtomBytes);
+    return sw128_advance(sw128_desc(smem_addr(v_stage(s)), t::kKVBoxBytes, kAtomBytes),
+                         kk * 16 * 128);
   }
 };
 
