@@ -173,16 +173,17 @@ TEST_CASE("sw128_advance moves a descriptor's start as sw128_desc of the moved a
   using flashref::cuda::detail::sw128_advance;
   using flashref::cuda::detail::sw128_desc;
   // The distances the kernels advance by: a K-major k-step ((ks / 4) boxes and (ks % 4) 32-byte
-  // steps) over boxes of 64 to 176 rows, an MN-major step of 16 rows (2048 bytes) times up to
-  // 11, and D = 256's second half (two boxes); every 16-byte address of shared memory, every
-  // lbo the kernels pass.
+  // steps) over boxes of 64 to 192 rows of 128 bytes, an MN-major step of 16 rows (2048 bytes)
+  // times up to 11, and D = 256's second half (two boxes); every 16-byte address of shared
+  // memory, every lbo the kernels pass.
   std::vector<std::uint32_t> steps;
-  for (const std::uint32_t box : {8192u, 10240u, 16384u, 22528u})
+  for (const std::uint32_t box : {8192u, 10240u, 16384u, 22528u, 24576u}) {
     for (std::uint32_t ks = 0; ks < 16; ++ks)
       steps.push_back((ks / 4) * box + (ks % 4) * 32);
+    steps.push_back(2 * box);
+  }
   for (std::uint32_t kk = 0; kk < 11; ++kk)
     steps.push_back(kk * 16 * 128);
-  steps.push_back(2 * 22528u);
   std::int64_t checked = 0, differ = 0;
   for (const std::uint32_t lbo : {16u, 8192u, 10240u, 16384u, 22528u})
     for (std::uint32_t addr = 0; addr < (1u << 18); addr += 16)
@@ -196,6 +197,6 @@ TEST_CASE("sw128_advance moves a descriptor's start as sw128_desc of the moved a
   REQUIRE(checked > 1000000);
   REQUIRE(differ == 0);
   // Beyond that range the field would carry into the next one, which sw128_desc masks: the
-  // reason the kernels' tiles must lie below 256 KiB (they do: shared memory is 228 KiB).
+  // reason the kernels' tiles must lie below 256 KiB (they do: a block has at most 227 KiB).
   REQUIRE(sw128_advance(sw128_desc(0x3FFF0, 16, 1024), 16) != sw128_desc(0x40000, 16, 1024));
 }
