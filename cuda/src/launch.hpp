@@ -69,6 +69,13 @@ FLASHREF_INLINE std::uint64_t sw128_advance(std::uint64_t desc, std::uint32_t by
   const std::uint32_t lo = static_cast<std::uint32_t>(desc) + (bytes >> 4);
   return (desc & 0xFFFFFFFF00000000ull) | lo;
 }
+// The bytes from k-step 0 to k-step ks (16 columns of the head dim) of a K-major tile stored as
+// boxes of 64 columns, kBoxBytes each: ks / 4 boxes on, then (ks % 4) 32-byte steps along the
+// rows inside the box (what sw128_advance takes, for Q and K in the forward and the backward).
+template <int kBoxBytes>
+FLASHREF_INLINE constexpr std::uint32_t sw128_k_step(int ks) {
+  return static_cast<std::uint32_t>((ks / 4) * kBoxBytes + (ks % 4) * 32);
+}
 
 // The offsets 8 nb + c (nb < kBlocks, c < 2; bit 2 nb + c) that lie in [lo, hi): the keys (or
 // query rows) one thread holds of an accumulator row in the m16n8 layout, relative to its

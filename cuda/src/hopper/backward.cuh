@@ -75,7 +75,7 @@ struct box_tile {
   // k-step ks (16 columns of the head dim).
   __device__ static std::uint64_t k_major(const unsigned char* base, int row0, int ks) {
     return sw128_advance(sw128_desc(smem_addr(base) + row0 * 128, 16, kAtomBytes),
-                         (ks / 4) * kBoxBytes + (ks % 4) * 32);
+                         sw128_k_step<kBoxBytes>(ks));
   }
   // MN-major operand (the rows are the k dimension, the head dim the n dimension): rows
   // [16 kk, 16 kk + 16), every column.

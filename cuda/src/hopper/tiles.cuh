@@ -205,19 +205,14 @@ struct shared_tiles {
   __device__ std::uint64_t q_desc0(int slot, int wg) const {
     return sw128_desc(smem_addr(q_stage(slot)) + wg * kRowsPerConsumer * 128, 16, kAtomBytes);
   }
-  // Bytes from k-step 0 to k-step ks of a K-major tile of kBoxBytes-byte boxes.
-  template <int kBoxBytes>
-  __device__ static constexpr std::uint32_t k_major_step(int ks) {
-    return static_cast<std::uint32_t>((ks / 4) * kBoxBytes + (ks % 4) * 32);
-  }
   // Q's k-step ks from k-step 0, in bytes.
   __device__ static constexpr std::uint32_t q_step(int ks) {
-    return k_major_step<t::kQBoxBytes>(ks);
+    return sw128_k_step<t::kQBoxBytes>(ks);
   }
   // All t::kTileK keys of stage s, k-step ks over the head dim.
   __device__ std::uint64_t k_desc(int s, int ks) const {
     return sw128_advance(sw128_desc(smem_addr(k_stage(s)), 16, kAtomBytes),
-                         k_major_step<t::kKVBoxBytes>(ks));
+                         sw128_k_step<t::kKVBoxBytes>(ks));
   }
   // Keys [16 kk, 16 kk + 16) of stage s, every column of the head dim (MN-major).
   __device__ std::uint64_t v_desc(int s, int kk) const {
