@@ -103,7 +103,8 @@ struct tile_walker {
     base = tile_begin - 32;
   }
 
-  __device__ bool next(std::int64_t& tile, bool& is_full) {
+  // Whether next() has a tile: the ballots are taken ahead as far as the next one needs.
+  __device__ bool more() {
     while (ballot.nonempty == 0) {
       base += 32;
       if (base >= tile_end) return false;
@@ -115,7 +116,15 @@ struct tile_walker {
         return c == tile_class::full && k0 + kTileK > mask.len_k ? tile_class::partial : c;
       });
     }
-    ballot.pop(base, tile, is_full);
+    return true;
+  }
+
+  // The next tile, where more() said there is one.
+  __device__ void pop(std::int64_t& tile, bool& is_full) { ballot.pop(base, tile, is_full); }
+
+  __device__ bool next(std::int64_t& tile, bool& is_full) {
+    if (!more()) return false;
+    pop(tile, is_full);
     return true;
   }
 };
@@ -141,11 +150,18 @@ struct range_walker {
     full_end = static_cast<int>(span.full_end);
   }
 
-  __device__ bool next(std::int64_t& t, bool& is_full) {
-    if (tile >= tile_end) return false;
+  __device__ bool more() const { return tile < tile_end; }
+
+  // The next tile, where more() said there is one.
+  __device__ void pop(std::int64_t& t, bool& is_full) {
     const int k0 = tile * kTileK;
     t = tile++;
     is_full = k0 >= full_begin && k0 + kTileK <= full_end;  // mask_spec::tile_full
+  }
+
+  __device__ bool next(std::int64_t& t, bool& is_full) {
+    if (!more()) return false;
+    pop(t, is_full);
     return true;
   }
 };

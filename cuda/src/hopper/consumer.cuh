@@ -10,7 +10,7 @@
 //   O += P V           wgmma, P from registers (bf16 / fp16), V in shared memory
 //
 // then releases the stage (its K after S and its V after P V where they are released apart:
-// tiles.cuh's kSplitRelease). When the producer closes the work item the epilogue writes O / sum
+// tiles.cuh's kSplitRelease). After the item's last tile the epilogue writes O / sum
 // and LSE, while the producer already loads the next item's tiles; a query tile with no visible
 // key writes (0, -inf) without waiting for Q. Two loops take these steps: in sequence
 // (consume_serial, D = 64), and with one tile's P V running under the next tile's mask and
@@ -148,6 +148,21 @@ __device__ __forceinline__ void store_item(const Params& hp, const shared_tiles<
   store_rows<T>(hp.p, w, at, acc, sm, warp_flag);
 }
 
+// Whether the item ends with the tile `info` that the ring just moved past: its flag where the
+// block marks last tiles, else whether the next stage closes the item. Otherwise `info` becomes
+// the next tile.
+template <int kD, int kC, int kK>
+__device__ __forceinline__ bool item_ends(block_ring<kD, kC, kK>& ring, stage_info& info) {
+  if constexpr (tiles<kD, kC, kK>::kMarksLast) {
+    if ((info.flags & kTileLast) != 0) return true;
+    info = ring.next();
+    return false;
+  } else {
+    info = ring.next();
+    return info.tile == kNoMoreTiles;
+  }
+}
+
 // One work item with the two products of neighbouring tiles overlapped: in turn j the
 // warpgroup issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}, waits for S_j alone
 // (wait<1>), and runs tile j's mask and softmax while P_{j-1} V_{j-1} still runs on the tensor
@@ -175,7 +190,7 @@ __device__ void consume_overlapped(const Params& hp, const tile_work& w, int con
   };
   // Tile j's scores to unnormalised probabilities: the partial-tile mask, then the softmax step.
   const auto probabilities = [&](float(&rS)[kS], const stage_info& tile, float(&exp_old)[2]) {
-    mask.apply(rS, at, tile.tile, tile.full != 0);
+    mask.apply(rS, at, tile.tile, (tile.flags & kTileFull) != 0);
     softmax.step(rS, exp_old, mask.scale);
   };
 
@@ -196,8 +211,7 @@ __device__ void consume_overlapped(const Params& hp, const tile_work& w, int con
     const int prev = ring.stage(ring.it);
     mbar_wait(&ring.bar.v_full[prev], ring.parity(ring.it));
     ++ring.it;
-    info = ring.next();
-    if (info.tile == kNoMoreTiles) break;
+    if (item_ends<kD, kC, kK>(ring, info)) break;
     const int s = ring.stage(ring.it);
 
     // S_j = Q K_j^T, then O += P_{j-1} V_{j-1} behind it; wait for S_j alone.
@@ -231,8 +245,8 @@ __device__ void consume_overlapped(const Params& hp, const tile_work& w, int con
     ring.release_v(prev);
     to_a_fragments<T>(rS, rP);
   }
-  // Stage ring.it closes the item: Q is read no more. The last tile's P V (its V was waited
-  // for above), then the epilogue.
+  // Tile ring.it - 1 was the item's last: Q is read no more. Its P V (its V was waited for
+  // above), then the epilogue (and the closing stage's release, where there is one).
   ring.release_q();
   const int last = ring.stage(ring.it - 1);
   wgmma_fence();
@@ -241,7 +255,7 @@ __device__ void consume_overlapped(const Params& hp, const tile_work& w, int con
   wgmma_wait<0>();
   fence_operands(rO);
   ring.release_v(last);
-  ring.release(ring.stage(ring.it++));
+  if constexpr (!tiles<kD, kC, kK>::kMarksLast) ring.release(ring.stage(ring.it++));
   if constexpr (block_shape<kC, kK>::kWide) {
     // The item's rows formed afresh from its number (the closing stage carries it), so that
     // the 240 registers of a wide tile's loop do not also hold the rows' end across it.
@@ -268,6 +282,7 @@ __device__ void consume_serial(const Params& hp, const tile_work& w, int consume
   fragment_softmax softmax;
   float rO[kO] = {};  // (64, kD) per warpgroup
 
+  static_assert(!tiles<kD, kC, kK>::kMarksLast, "a stage closes each item");
   for (; info.tile != kNoMoreTiles; info = ring.next()) {
     const int s = ring.stage(ring.it);
 
@@ -280,7 +295,7 @@ __device__ void consume_serial(const Params& hp, const tile_work& w, int consume
     fence_operands(rS);
     ring.release_k(s);
 
-    mask.apply(rS, at, info.tile, info.full != 0);
+    mask.apply(rS, at, info.tile, (info.flags & kTileFull) != 0);
     float exp_old[2];
     softmax.step(rS, exp_old, mask.scale);
     rescale_rows(rO, exp_old);

@@ -2,7 +2,8 @@
 // The producer role: one warp walks the key tiles that hold a visible key (tile_walker, the
 // block mask and causal / window / kv_len turned into a list of partial and full tiles on the
 // fly) and loads each work item's Q once and each tile's K and V with TMA into the next free
-// stage. A query tile with no visible key loads nothing: its first stage closes it at once.
+// stage, the item's last tile marked as such. A query tile with no visible key loads nothing:
+// its one stage closes it at once.
 
 #include <cstdint>
 #include <type_traits>
@@ -46,10 +47,6 @@ __device__ void load_v_rows_zero_tail(unsigned char* s_v, const kernel_params& p
   }
 }
 
-// The producer warp's loop over the block's work items: for each, Q once (into a buffer the
-// consumers are done with), then each visible key tile's K and V into the next free
-// stage, then the item's closing stage; after the last item, the block's closing stage. The
-// stage ring and its phases run on across items.
 // The producer's counts: stages filled and Q tiles loaded so far, across work items.
 struct producer_counts {
   int it = 0;
@@ -85,8 +82,10 @@ __device__ __forceinline__ void close_stage(barriers<kStages, kC, kSplit, kQ>& b
   }
 }
 
-// One work item: Q once (into a buffer the consumers are done with), then each
-// visible key tile's K and V into the next free stage, then the stage that closes the item.
+// One work item: Q once (into a buffer the consumers are done with), then each visible key
+// tile's K and V into the next free stage, the last one marked kTileLast (the walker asked
+// whether another follows) where the block marks them (t::kMarksLast), else followed by a stage
+// that closes the item; an item without a visible key, that stage alone.
 template <class T, int kD, int kC, int kK, class Params>
 __device__ __forceinline__ producer_counts produce_item(const Params& hp, unsigned char* raw,
                                                         block_barriers<kD, kC, kK>& bar, int work,
@@ -101,9 +100,7 @@ __device__ __forceinline__ producer_counts produce_item(const Params& hp, unsign
   using walker_type = std::conditional_t<block_shape<kC, kK>::kBlockMask, tile_walker<t::kTileK>,
                                          range_walker<t::kTileK>>;
   walker_type walker(p.mask, w.b, w.h, w.q0, w.q1);
-  std::int64_t tile = 0;
-  bool full = false;
-  bool have = walker.next(tile, full);
+  bool have = walker.more();
   if (have) {
     // The consumers are done with the Q that this buffer held (t::kQStages items ago).
     const int slot = n.q_loads % t::kQStages;
@@ -115,7 +112,12 @@ __device__ __forceinline__ producer_counts produce_item(const Params& hp, unsign
     }
     ++n.q_loads;
   }
-  for (; have; have = walker.next(tile, full)) {
+  const bool closes = !t::kMarksLast || !have;
+  while (have) {
+    std::int64_t tile = 0;
+    bool full = false;
+    walker.pop(tile, full);
+    const bool last = !walker.more();
     const int s = next_stage(bar, n.it);
     const std::int64_t k0 = tile * t::kTileK;
     const bool v_tail = k0 + t::kTileK > walker.key_end && walker.key_end < p.len_k;
@@ -127,7 +129,8 @@ __device__ __forceinline__ producer_counts produce_item(const Params& hp, unsign
                                         &bar.v_full[s]);
     };
     if (leader) {
-      bar.info[s] = {int(tile), full ? 1 : 0, work, 0};
+      bar.info[s] = {int(tile), (full ? kTileFull : 0) | (t::kMarksLast && last ? kTileLast : 0),
+                     work, 0};
       mbar_arrive_expect_tx(&bar.k_full[s], t::kKVBytes);
       tma_load_tile<kD, t::kKVBoxBytes>(smem.k_stage(s), &maps.k, int(k0), w.hk, w.b,
                                         &bar.k_full[s]);
@@ -144,8 +147,9 @@ __device__ __forceinline__ producer_counts produce_item(const Params& hp, unsign
       if (leader) mbar_arrive(&bar.v_full[s]);
     }
     ++n.it;
+    have = !last;
   }
-  close_stage(bar, n.it++, work);
+  if (closes) close_stage(bar, n.it++, work);
   return n;
 }
 

@@ -121,6 +121,11 @@ struct tiles : key_tiles<kD, kK> {
   static constexpr int kOBoxBytes = kRowsPerConsumer * 128;
   static constexpr int kOBytes = kC * keys::kBoxes * kOBoxBytes;
   static constexpr bool kStageO = kC == 2 && kInputBytes + kOBytes <= kMaxSmemBytes;
+  // Each item's last tile marked (stage_info's kTileLast) instead of a stage closing the item:
+  // in the overlapped loop of 128-key tiles. The wide tiles' consumers have no register to keep
+  // the flag across a tile (ptxas spilled 144 bytes), and in the serial loop (D = 64, 256) the
+  // flag cost spills too (8 to 28 bytes, however it was kept).
+  static constexpr bool kMarksLast = keys::kOverlap && !block_shape<kC, kK>::kWide;
   // Dynamic shared memory.
   static constexpr int kSmemBytes = kInputBytes + (kStageO ? kOBytes : 0);
   static_assert(kSmemBytes <= kMaxSmemBytes, "the tiles fit one block's shared memory");
@@ -135,15 +140,22 @@ __device__ __forceinline__ void tma_load_tile(unsigned char* dst, const CUtensor
     tma_load_4d(dst + c * kBoxBytes, map, c * kBoxCols, row, h, b, bar);
 }
 
-// What the producer tells the consumers about the key tile in a stage. Each work item's tiles
-// are followed by a stage with tile = kNoMoreTiles (an item with no visible key has that stage
-// alone), and the block's last item by a stage with work = kNoMoreWork.
+// What the producer tells the consumers about the key tile in a stage. Where the block marks
+// its items' last tiles (block_shape::kMarksLast), an item's last tile says so (kTileLast) and
+// no stage is spent on closing an item that has tiles: the next item's first K and V load into
+// the stage after it, and a consumer learns that its item ends without waiting for a stage that
+// the other consumers must free first. Elsewhere each item's tiles are followed by a stage with
+// tile = kNoMoreTiles. An item with no visible key has that stage alone, and the block's last
+// item is followed by a stage with work = kNoMoreWork.
 struct alignas(16) stage_info {
-  int tile;  // key tile index, or kNoMoreTiles
-  int full;  // 1: every (row, key) pair of the tile is visible, no element mask
-  int work;  // the work item (scheduler.cuh) the tile belongs to, or kNoMoreWork
+  int tile;   // key tile index, or kNoMoreTiles
+  int flags;  // kTileFull, kTileLast
+  int work;   // the work item (scheduler.cuh) the tile belongs to, or kNoMoreWork
   int unused;
 };
+inline constexpr int kTileFull =
+    1;  // every (row, key) pair of the tile is visible: no element mask
+inline constexpr int kTileLast = 2;  // the item's last tile
 inline constexpr int kNoMoreTiles = -1;
 inline constexpr int kNoMoreWork = -1;
 
