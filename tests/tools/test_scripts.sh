@@ -146,14 +146,14 @@ echo '[{"backend": "cuda", "D": 128, "Lq": 1024, "mask": "dense", "density": 0, 
 STUB
   chmod +x "$work/ab-$name/bin/flashref"
 done
-expect "bench-gpu-ab: B / A per point, best of the rounds" 0 "\\| forward \\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 100.0 \\| 110.0 \\| 1.100 \\| none \\|" \
+expect "bench-gpu-ab: B / A per point, best of the rounds" 0 "\\| forward \\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 100.0 \\| 110.0 \\| 1.100 \\| 1.100 \\| none \\|" \
   -- "$ab" "$work/ab-out" "$work/ab-a" "$work/ab-b" --rounds 2 -- --lengths 1024
-expect "bench-gpu-ab: the backward's points in rows of their own" 0 "\\| backward \\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 50.0 \\| 55.0 \\| 1.100 \\| none \\|" \
+expect "bench-gpu-ab: the backward's points in rows of their own" 0 "\\| backward \\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 50.0 \\| 55.0 \\| 1.100 \\| 1.100 \\| none \\|" \
   -- "$ab" "$work/ab-out4" "$work/ab-a" "$work/ab-b" --rounds 1 -- --lengths 1024 --backward
-expect "bench-gpu-ab: a NaN at a point is flagged and fails the comparison" 1 "\\| 1.200 \\| B \\|" \
+expect "bench-gpu-ab: a NaN at a point is flagged and fails the comparison" 1 "\\| 1.200 \\| 1.200 \\| B \\|" \
   -- "$ab" "$work/ab-out3" "$work/ab-a" "$work/ab-n" --rounds 1
 expect "bench-gpu-ab: B as a bare flashref executable, run with A's libraries" 0 \
-  "\\| forward \\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 100.0 \\| 110.0 \\| 1.100 \\| none \\|" \
+  "\\| forward \\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 100.0 \\| 110.0 \\| 1.100 \\| 1.100 \\| none \\|" \
   -- "$ab" "$work/ab-out5" "$work/ab-a" "$work/ab-b/bin/flashref" --rounds 1 -- --lengths 1024
 # One build, two modes: a pack that reports 130 TFLOP/s when it is given --fast, else 100.
 mkdir -p "$work/ab-m/bin" "$work/ab-m/lib"
@@ -166,8 +166,25 @@ for a in "$@"; do [ "$a" = --fast ] && rate=130; done
 echo "[{\"backend\": \"cuda\", \"D\": 128, \"Lq\": 1024, \"mask\": \"dense\", \"density\": 0, \"dtype\": \"bfloat16\", \"kernel\": \"hopper\", \"tflops\": $rate, \"nan_count\": 0, \"empty_rows_bad\": 0}]" >"$out"
 STUB
 chmod +x "$work/ab-m/bin/flashref"
+# A pack with one fast round in three (140 TFLOP/s in its second run, 100 otherwise): the best
+# rounds give B / A 110 / 140, the medians 110 / 100.
+mkdir -p "$work/ab-o/bin" "$work/ab-o/lib"
+cat >"$work/ab-o/bin/flashref" <<STUB
+#!/bin/sh
+# bench-gpu --json FILE ...: one record, fast on the second call
+n=\$(cat "$work/ab-o/calls" 2>/dev/null || echo 0)
+n=\$((n + 1))
+echo \$n >"$work/ab-o/calls"
+rate=100
+[ \$n -eq 2 ] && rate=140
+echo "[{\\"backend\\": \\"cuda\\", \\"D\\": 128, \\"Lq\\": 1024, \\"mask\\": \\"dense\\", \\"density\\": 0, \\"dtype\\": \\"bfloat16\\", \\"kernel\\": \\"hopper\\", \\"tflops\\": \$rate, \\"nan_count\\": 0, \\"empty_rows_bad\\": 0}]" >"\$3"
+STUB
+chmod +x "$work/ab-o/bin/flashref"
+expect "bench-gpu-ab: the median rounds' ratio beside the best rounds'" 0 \
+  "\\| 140.0 \\| 110.0 \\| 0.786 \\| 1.100 \\| none \\|" \
+  -- "$ab" "$work/ab-out8" "$work/ab-o" "$work/ab-b" --rounds 3 -- --lengths 1024
 expect "bench-gpu-ab: --b-args go to B's runs alone" 0 \
-  "\\| forward \\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 100.0 \\| 130.0 \\| 1.300 \\| none \\|" \
+  "\\| forward \\| 128 \\| 1024 \\| dense \\| bfloat16 \\| hopper \\| hopper \\| 100.0 \\| 130.0 \\| 1.300 \\| 1.300 \\| none \\|" \
   -- "$ab" "$work/ab-out6" "$work/ab-m" "$work/ab-m" --rounds 1 --b-args=--fast -- --lengths 1024
 expect "bench-gpu-ab with unbalanced --b-args" 2 "--b-args: expected arguments as a shell would split them" \
   -- "$ab" "$work/ab-out7" "$work/ab-m" "$work/ab-m" --b-args "'--fast"
