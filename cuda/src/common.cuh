@@ -158,12 +158,6 @@ struct range_walker {
     t = tile++;
     is_full = k0 >= full_begin && k0 + kTileK <= full_end;  // mask_spec::tile_full
   }
-
-  __device__ bool next(std::int64_t& t, bool& is_full) {
-    if (!more()) return false;
-    pop(t, is_full);
-    return true;
-  }
 };
 
 // The query tiles [q0, q0 + kTileQ) of query heads [h_begin, h_end) (one GQA group) that hold

@@ -141,7 +141,7 @@ __device__ __forceinline__ void tma_load_tile(unsigned char* dst, const CUtensor
 }
 
 // What the producer tells the consumers about the key tile in a stage. Where the block marks
-// its items' last tiles (block_shape::kMarksLast), an item's last tile says so (kTileLast) and
+// its items' last tiles (tiles::kMarksLast), an item's last tile says so (kTileLast) and
 // no stage is spent on closing an item that has tiles: the next item's first K and V load into
 // the stage after it, and a consumer learns that its item ends without waiting for a stage that
 // the other consumers must free first. Elsewhere each item's tiles are followed by a stage with
@@ -153,9 +153,10 @@ struct alignas(16) stage_info {
   int work;   // the work item (scheduler.cuh) the tile belongs to, or kNoMoreWork
   int unused;
 };
-inline constexpr int kTileFull =
-    1;  // every (row, key) pair of the tile is visible: no element mask
-inline constexpr int kTileLast = 2;  // the item's last tile
+// stage_info::flags: every (row, key) pair of the tile is visible (no element mask); the item's
+// last tile.
+inline constexpr int kTileFull = 1;
+inline constexpr int kTileLast = 2;
 inline constexpr int kNoMoreTiles = -1;
 inline constexpr int kNoMoreWork = -1;
 
