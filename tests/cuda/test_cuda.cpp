@@ -467,21 +467,23 @@ TEST_CASE("cuda: the Hopper kernel's staged O and two Q buffers over many work i
 TEST_CASE("cuda: the Hopper kernel's work items end to end, empty query tiles between them",
           "[cuda][race]") {
   // D = 128 with 128-key tiles (a block mask, or causal rows shorter than the wide tiles' 8192
-  // keys), the block with two Q buffers and O staged for a TMA store, and D = 256's block of
-  // 80-key tiles: 384 items on 132 blocks, so each block takes two or three, the next item's Q
-  // and first tiles loading while the last one's are read and its O stored. With the block
-  // mask every third query block sees no key (an item that closes at once between two that
-  // compute), and the last query tile is cut short. At D = 128 each item's last tile is marked
-  // and no stage closes it (only the empty items have one), at D = 256 a stage closes each item;
-  // causal rows give items of one tile too. Run twice: the bits must not move.
+  // keys), the block with two Q buffers and O staged for a TMA store, D = 64's block for block
+  // masks (two consumers, the serial loop) and D = 256's block of 80-key tiles: 384 items on 132
+  // blocks, so each block takes two or three, the next item's Q and first tiles loading while the
+  // last one's are read and its O stored. With the block mask every third query block sees no
+  // key (an item that closes at once between two that compute), and the last query tile is cut
+  // short. At D = 128, and at D = 64 with the block
+  // mask, each item's last tile is marked and no stage closes it (only the empty items have one);
+  // at D = 256 a stage closes each item; causal rows give items of one tile too. Run twice: the
+  // bits must not move.
   if (!hopper_device()) return;
   problem_shape s;
   s.B = 2, s.Hq = 24, s.Hk = 6, s.Lq = 1000, s.Lk = 1100;
   // 0: block mask, D = 128; 1: causal, D = 128; 2, 3: causal and dense at D = 256 (80-key
-  // tiles, the last one cut short).
-  const int variant = GENERATE(0, 1, 2, 3);
-  const bool block_mask = variant == 0;
-  s.D = s.Dv = variant < 2 ? 128 : 256;
+  // tiles, the last one cut short); 4: block mask, D = 64.
+  const int variant = GENERATE(0, 1, 2, 3, 4);
+  const bool block_mask = variant == 0 || variant == 4;
+  s.D = s.Dv = variant == 4 ? 64 : variant < 2 ? 128 : 256;
   if (block_mask) {
     s.block_q = 128, s.block_k = 128, s.block_density = 0.4;
   } else if (variant != 3) {

@@ -282,8 +282,8 @@ __device__ void consume_serial(const Params& hp, const tile_work& w, int consume
   fragment_softmax softmax;
   float rO[kO] = {};  // (64, kD) per warpgroup
 
-  static_assert(!tiles<kD, kC, kK>::kMarksLast, "a stage closes each item");
-  for (; info.tile != kNoMoreTiles; info = ring.next()) {
+  // Tile `info`: S, its softmax, then P V.
+  const auto step = [&] {
     const int s = ring.stage(ring.it);
 
     // S = Q K^T
@@ -313,17 +313,28 @@ __device__ void consume_serial(const Params& hp, const tile_work& w, int consume
     fence_operands(rO);
     ring.release_v(s);
     ++ring.it;
+  };
+  if constexpr (tiles<kD, kC, kK>::kMarksLast) {
+    for (bool last = false; !last;) {
+      step();
+      last = item_ends<kD, kC, kK>(ring, info);
+    }
+  } else {  // this loop's own shape: the other spilled at D = 256
+    for (; info.tile != kNoMoreTiles; info = ring.next())
+      step();
   }
   ring.release_q();
-  ring.release(ring.stage(ring.it++));  // the stage that closed the item
+  if constexpr (!tiles<kD, kC, kK>::kMarksLast) {
+    ring.release(ring.stage(ring.it++));  // the stage that closed the item
+  }
   store_item<T>(hp, smem, consumer, w, at, rO, softmax, ring.nonfinite_flag());
 }
 
 // A consumer warpgroup's loop over the block's work items, each in the loop for head dim kD:
 // overlapped at D = 128, where it is measured faster (P V of 128 columns is long enough to hide
 // a softmax), in sequence at D = 64, where the overlapped loop measured 10 % slower
-// (cuda/NOTES.md, version h4). An item with no visible key writes (0, -inf) without waiting
-// for Q (none is loaded for it).
+// (cuda/NOTES.md, version h4; in the two-consumer block again 0-4 % slower, h27). An item with no
+// visible key writes (0, -inf) without waiting for Q (none is loaded for it).
 //
 // With `nonfinite_flags` set, each consumer warp writes its word of them when the block's work
 // is done: flags[block * 4 kC + warp] = 1 when a value it stored was NaN or inf, else 0. With

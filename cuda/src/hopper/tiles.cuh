@@ -122,10 +122,13 @@ struct tiles : key_tiles<kD, kK> {
   static constexpr int kOBytes = kC * keys::kBoxes * kOBoxBytes;
   static constexpr bool kStageO = kC == 2 && kInputBytes + kOBytes <= kMaxSmemBytes;
   // Each item's last tile marked (stage_info's kTileLast) instead of a stage closing the item:
-  // in the overlapped loop of 128-key tiles. The wide tiles' consumers have no register to keep
-  // the flag across a tile (ptxas spilled 144 bytes), and in the serial loop (D = 64, 256) the
-  // flag cost spills too (8 to 28 bytes, however it was kept).
-  static constexpr bool kMarksLast = keys::kOverlap && !block_shape<kC, kK>::kWide;
+  // in the overlapped loop of 128-key tiles, and in the serial loop of D = 64's two-consumer
+  // block (block masks, causal rows over at most 1024 queries). The wide tiles' consumers have
+  // no register to keep the flag across a tile (ptxas spilled 144 bytes); in the serial loop of
+  // D = 64's three-consumer block and of D = 256 the flag spilled too (8 to 28 bytes, however it
+  // was kept).
+  static constexpr bool kMarksLast =
+      !block_shape<kC, kK>::kWide && (keys::kOverlap || (kD == 64 && kC == 2));
   // Dynamic shared memory.
   static constexpr int kSmemBytes = kInputBytes + (kStageO ? kOBytes : 0);
   static_assert(kSmemBytes <= kMaxSmemBytes, "the tiles fit one block's shared memory");
