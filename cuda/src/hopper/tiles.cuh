@@ -126,7 +126,7 @@ struct tiles : key_tiles<kD, kK> {
   // block (block masks, causal rows over at most 1024 queries). The wide tiles' consumers have
   // no register to keep the flag across a tile (ptxas spilled 144 bytes); in the serial loop of
   // D = 64's three-consumer block and of D = 256 the flag spilled too (8 to 28 bytes, however it
-  // was kept).
+  // was kept; the three-consumer block measured 2-6 % slower with it, cuda/NOTES.md h28).
   static constexpr bool kMarksLast =
       !block_shape<kC, kK>::kWide && (keys::kOverlap || (kD == 64 && kC == 2));
   // Dynamic shared memory.
