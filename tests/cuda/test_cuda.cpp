@@ -472,10 +472,9 @@ TEST_CASE("cuda: the Hopper kernel's work items end to end, empty query tiles be
   // blocks, so each block takes two or three, the next item's Q and first tiles loading while the
   // last one's are read and its O stored. With the block mask every third query block sees no
   // key (an item that closes at once between two that compute), and the last query tile is cut
-  // short. At D = 128, and at D = 64 with the block
-  // mask, each item's last tile is marked and no stage closes it (only the empty items have one);
-  // at D = 256 a stage closes each item; causal rows give items of one tile too. Run twice: the
-  // bits must not move.
+  // short. At D = 128, and at D = 64 with the block mask, each item's last tile is marked and no
+  // stage closes it (only the empty items have one); at D = 256 a stage closes each item; causal
+  // rows give items of one tile too. Run twice: the bits must not move.
   if (!hopper_device()) return;
   problem_shape s;
   s.B = 2, s.Hq = 24, s.Hk = 6, s.Lq = 1000, s.Lk = 1100;
