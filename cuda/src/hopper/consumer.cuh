@@ -13,8 +13,8 @@
 // tiles.cuh's kSplitRelease). After the item's last tile the epilogue writes O / sum
 // and LSE, while the producer already loads the next item's tiles; a query tile with no visible
 // key writes (0, -inf) without waiting for Q. Two loops take these steps: in sequence
-// (consume_serial, D = 64), and with one tile's P V running under the next tile's mask and
-// softmax (consume_overlapped, D = 128).
+// (consume_serial: D = 64, and D = 256 under a block mask), and with one tile's P V running
+// under the next tile's mask and softmax (consume_overlapped: D = 128, and D = 256 without one).
 
 #include <cstdint>
 
@@ -39,7 +39,7 @@ namespace flashref::cuda::detail::sm90 {
 template <class T, int kD, int kC, int kK, int kS>
 __device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD, kC, kK>& smem,
                                            int q_slot, int consumer, int stage) {
-  constexpr bool kFormed = block_shape<kC, kK>::kWide || tiles<kD, kC, kK>::kQStages > 1;
+  constexpr bool kFormed = block_shape<kC, kK>::kLarge || tiles<kD, kC, kK>::kQStages > 1;
   std::uint64_t q0 = 0;
   if constexpr (kFormed) q0 = opaque(smem.q_desc0(q_slot, consumer));
 #pragma unroll
@@ -256,9 +256,9 @@ __device__ void consume_overlapped(const Params& hp, const tile_work& w, int con
   fence_operands(rO);
   ring.release_v(last);
   if constexpr (!tiles<kD, kC, kK>::kMarksLast) ring.release(ring.stage(ring.it++));
-  if constexpr (block_shape<kC, kK>::kWide) {
+  if constexpr (block_shape<kC, kK>::kLarge) {
     // The item's rows formed afresh from its number (the closing stage carries it), so that
-    // the 240 registers of a wide tile's loop do not also hold the rows' end across it.
+    // the 240 registers of the loop do not also hold the rows' end across it.
     const tile_work rows =
         work_tile<tiles<kD, kC, kK>::kTileQ>(p, hp.work_group, opaque(info.work));
     store_item<T>(hp, smem, consumer, rows, at, rO, softmax, ring.nonfinite_flag());
@@ -331,9 +331,11 @@ __device__ void consume_serial(const Params& hp, const tile_work& w, int consume
 }
 
 // A consumer warpgroup's loop over the block's work items, each in the loop for head dim kD:
-// overlapped at D = 128, where it is measured faster (P V of 128 columns is long enough to hide
-// a softmax), in sequence at D = 64, where the overlapped loop measured 10 % slower
-// (cuda/NOTES.md, version h4; in the two-consumer block again 0-4 % slower, h27). An item with no
+// overlapped at D = 128 and at D = 256 with 80-key tiles, where it is measured faster (P V of
+// 128 or 256 columns is long enough to hide a softmax; D = 256 +7 to +9 % at L = 16384,
+// cuda/NOTES.md h29), in sequence at D = 64, where the overlapped loop measured 10 % slower
+// (version h4; in the two-consumer block again 0-4 % slower, h27), and at D = 256 under a block
+// mask (64-key tiles, 216 registers: not measured overlapped). An item with no
 // visible key writes (0, -inf) without waiting for Q (none is loaded for it).
 //
 // With `nonfinite_flags` set, each consumer warp writes its word of them when the block's work

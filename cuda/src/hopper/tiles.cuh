@@ -44,11 +44,16 @@ struct block_shape {
   static constexpr int kThreads = 128 * (1 + kC);
   static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;  // 168 or 128
   static constexpr bool kWide = kK > 128;
+  // Consumers of 240 registers beside a producer of 24: the wide tiles, and D = 256's 80-key
+  // tiles (no block mask; their only head dim), whose overlapped loop holds O (128 registers),
+  // S (40) and the last tile's P (20). Their Q descriptors are formed in each call
+  // (consumer.cuh's qk_product) and their rows' end afresh for the epilogue.
+  static constexpr bool kLarge = kWide || kK == 80;
   // Takes a block mask: its producer walks with tile_walker (the other producers walk a range
-  // instead; the host sends block masks to the two-consumer block of 128-key tiles or fewer).
-  static constexpr bool kBlockMask = kC == 2 && !kWide;
-  static constexpr int kProducerRegs = kC == 3 ? 56 : kWide ? 24 : 72;
-  static constexpr int kConsumerRegs = kC == 3 ? 152 : kWide ? 240 : 216;
+  // instead; the host sends block masks to the two-consumer block of 64- or 128-key tiles).
+  static constexpr bool kBlockMask = kC == 2 && !kLarge;
+  static constexpr int kProducerRegs = kC == 3 ? 56 : kLarge ? 24 : 72;
+  static constexpr int kConsumerRegs = kC == 3 ? 152 : kLarge ? 240 : 216;
   static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * 128 * kC,
                 "the consumers take no more registers than the producer gives");
 };
@@ -81,13 +86,14 @@ struct key_tiles {
   static_assert(kD % kBoxCols == 0, "whole 64-column boxes");
   static_assert(kK % 16 == 0 && kK <= 256, "whole k16 steps of P V, one TMA box of rows");
   static constexpr int kBoxes = kD / kBoxCols;
-  // The consumers overlap one tile's P V with the next tile's softmax at D = 128 (consumer.cuh),
-  // holding tile j's K and tile j - 1's V at once; K and V are released apart (barriers), so
-  // that 2 stages still let the producer load a tile ahead: 2 stages at D = 128 (225 KiB with
-  // two Q buffers and the staged O at 128 keys, 209 KiB with one Q at 176). D = 64 runs in
-  // sequence, 3 stages; D = 256 in sequence with 2 (225 KiB with Q at 80 keys).
+  // The consumers overlap one tile's P V with the next tile's softmax at D = 128 and at D = 256
+  // without a block mask (80-key tiles; consumer.cuh), holding tile j's K and tile j - 1's V at
+  // once; K and V are released apart (barriers), so that 2 stages still let the producer load
+  // a tile ahead: 2 stages (225 KiB with two Q buffers and the staged O at D = 128, 128 keys;
+  // 209 KiB with one Q at 176; 225 KiB with Q at D = 256, 80 keys). D = 64 runs in sequence,
+  // 3 stages; D = 256 under a block mask (64-key tiles) in sequence with 2.
   static constexpr int kTileK = kK;  // keys per tile
-  static constexpr bool kOverlap = kD == 128;
+  static constexpr bool kOverlap = kD == 128 || (kD == 256 && kK == 80);
   static constexpr int kStages = kD == 64 ? 3 : 2;
   // K and V of a stage released apart (barriers) where the overlap runs in 2 stages; elsewhere
   // a stage is released whole, which the third stage makes room for (and which takes fewer
@@ -123,12 +129,13 @@ struct tiles : key_tiles<kD, kK> {
   static constexpr bool kStageO = kC == 2 && kInputBytes + kOBytes <= kMaxSmemBytes;
   // Each item's last tile marked (stage_info's kTileLast) instead of a stage closing the item:
   // in the overlapped loop of 128-key tiles, and in the serial loop of D = 64's two-consumer
-  // block (block masks, causal rows over at most 1024 queries). The wide tiles' consumers have
-  // no register to keep the flag across a tile (ptxas spilled 144 bytes); in the serial loop of
+  // block (block masks, causal rows over at most 1024 queries). The 240-register consumers
+  // (block_shape::kLarge) have no register to keep the flag across a tile (ptxas spilled 144
+  // bytes with 176-key tiles, 76 with D = 256's 80-key tiles); in the serial loop of
   // D = 64's three-consumer block and of D = 256 the flag spilled too (8 to 28 bytes, however it
   // was kept; the three-consumer block measured 2-6 % slower with it, cuda/NOTES.md h28).
   static constexpr bool kMarksLast =
-      !block_shape<kC, kK>::kWide && (keys::kOverlap || (kD == 64 && kC == 2));
+      !block_shape<kC, kK>::kLarge && (keys::kOverlap || (kD == 64 && kC == 2));
   // Dynamic shared memory.
   static constexpr int kSmemBytes = kInputBytes + (kStageO ? kOBytes : 0);
   static_assert(kSmemBytes <= kMaxSmemBytes, "the tiles fit one block's shared memory");
