@@ -32,10 +32,10 @@ namespace flashref::cuda::detail::sm90 {
 
 // S (64, kTileK) = Q K^T over the head dim: one wgmma per 16 columns of it, Q from buffer
 // q_slot. The kD / 16 Q descriptors, the same in every call of an item, would be hoisted out of
-// the tile loop into two registers each; with tiles of more than 128 keys (block_shape::kWide)
-// or two Q buffers (whose descriptors change from item to item) the consumer's registers are
-// short, and they are formed in each call from one copy of the first that the compiler cannot
-// hoist (opaque), one add each.
+// the tile loop into two registers each; in the 240-register blocks (block_shape::kLarge: tiles
+// of more than 128 keys, D = 256's 80-key tiles) or with two Q buffers (whose descriptors change
+// from item to item) the consumer's registers are short, and they are formed in each call from one
+// copy of the first that the compiler cannot hoist (opaque), one add each.
 template <class T, int kD, int kC, int kK, int kS>
 __device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD, kC, kK>& smem,
                                            int q_slot, int consumer, int stage) {

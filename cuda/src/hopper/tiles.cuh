@@ -132,8 +132,9 @@ struct tiles : key_tiles<kD, kK> {
   // block (block masks, causal rows over at most 1024 queries). The 240-register consumers
   // (block_shape::kLarge) have no register to keep the flag across a tile (ptxas spilled 144
   // bytes with 176-key tiles, 76 with D = 256's 80-key tiles); in the serial loop of
-  // D = 64's three-consumer block and of D = 256 the flag spilled too (8 to 28 bytes, however it
-  // was kept; the three-consumer block measured 2-6 % slower with it, cuda/NOTES.md h28).
+  // D = 64's three-consumer block and of D = 256 (then still in sequence at 80 keys) the flag
+  // spilled too (8 to 28 bytes, however it was kept; the three-consumer block measured 2-6 % slower
+  // with it, cuda/NOTES.md h28).
   static constexpr bool kMarksLast =
       !block_shape<kC, kK>::kLarge && (keys::kOverlap || (kD == 64 && kC == 2));
   // Dynamic shared memory.
