@@ -39,7 +39,7 @@ namespace flashref::cuda::detail::sm90 {
 template <class T, int kD, int kC, int kK, int kS>
 __device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD, kC, kK>& smem,
                                            int q_slot, int consumer, int stage) {
-  constexpr bool kFormed = block_shape<kC, kK>::kLarge || tiles<kD, kC, kK>::kQStages > 1;
+  constexpr bool kFormed = block_shape<kC, kK>::kLarge || tiles<kD, kC, kK>::kQStages > 1 || kC == 3;
   std::uint64_t q0 = 0;
   if constexpr (kFormed) q0 = opaque(smem.q_desc0(q_slot, consumer));
 #pragma unroll
@@ -369,7 +369,7 @@ __device__ void consume(const Params& hp, int consumer, const shared_tiles<kD, k
       continue;
     }
     ring.wait_q();
-    if constexpr (t::kOverlap) {
+    if constexpr (t::kOverlap || (kD == 64 && kC == 3)) {
       consume_overlapped<T, kD, kC, kK>(hp, w, consumer, smem, ring, first);
     } else {
       consume_serial<T, kD, kC, kK>(hp, w, consumer, smem, ring, first);
