@@ -52,8 +52,8 @@ struct block_shape {
   // Takes a block mask: its producer walks with tile_walker (the other producers walk a range
   // instead; the host sends block masks to the two-consumer block of 64- or 128-key tiles).
   static constexpr bool kBlockMask = kC == 2 && !kLarge;
-  static constexpr int kProducerRegs = kC == 3 ? 56 : kLarge ? 24 : 72;
-  static constexpr int kConsumerRegs = kC == 3 ? 152 : kLarge ? 240 : 216;
+  static constexpr int kProducerRegs = kC == 3 ? 32 : kLarge ? 24 : 72;
+  static constexpr int kConsumerRegs = kC == 3 ? 160 : kLarge ? 240 : 216;
   static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * 128 * kC,
                 "the consumers take no more registers than the producer gives");
 };
