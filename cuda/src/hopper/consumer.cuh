@@ -32,14 +32,15 @@ namespace flashref::cuda::detail::sm90 {
 
 // S (64, kTileK) = Q K^T over the head dim: one wgmma per 16 columns of it, Q from buffer
 // q_slot. The kD / 16 Q descriptors, the same in every call of an item, would be hoisted out of
-// the tile loop into two registers each; in the 240-register blocks (block_shape::kLarge: tiles
-// of more than 128 keys, D = 256's 80-key tiles) or with two Q buffers (whose descriptors change
-// from item to item) the consumer's registers are short, and they are formed in each call from one
-// copy of the first that the compiler cannot hoist (opaque), one add each.
+// the tile loop into two registers each; in the blocks short of registers (block_shape::kTight:
+// tiles of more than 128 keys, D = 256's 80-key tiles, three consumers) or with two Q buffers
+// (whose descriptors change from item to item) the consumer's registers are short, and they are
+// formed in each call from one copy of the first that the compiler cannot hoist (opaque), one add
+// each.
 template <class T, int kD, int kC, int kK, int kS>
 __device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD, kC, kK>& smem,
                                            int q_slot, int consumer, int stage) {
-  constexpr bool kFormed = block_shape<kC, kK>::kLarge || tiles<kD, kC, kK>::kQStages > 1 || kC == 3;
+  constexpr bool kFormed = block_shape<kC, kK>::kTight || tiles<kD, kC, kK>::kQStages > 1;
   std::uint64_t q0 = 0;
   if constexpr (kFormed) q0 = opaque(smem.q_desc0(q_slot, consumer));
 #pragma unroll
@@ -256,9 +257,9 @@ __device__ void consume_overlapped(const Params& hp, const tile_work& w, int con
   fence_operands(rO);
   ring.release_v(last);
   if constexpr (!tiles<kD, kC, kK>::kMarksLast) ring.release(ring.stage(ring.it++));
-  if constexpr (block_shape<kC, kK>::kLarge) {
+  if constexpr (block_shape<kC, kK>::kTight) {
     // The item's rows formed afresh from its number (the closing stage carries it), so that
-    // the 240 registers of the loop do not also hold the rows' end across it.
+    // the loop's registers do not also hold the rows' end across it.
     const tile_work rows =
         work_tile<tiles<kD, kC, kK>::kTileQ>(p, hp.work_group, opaque(info.work));
     store_item<T>(hp, smem, consumer, rows, at, rO, softmax, ring.nonfinite_flag());
@@ -330,13 +331,13 @@ __device__ void consume_serial(const Params& hp, const tile_work& w, int consume
   store_item<T>(hp, smem, consumer, w, at, rO, softmax, ring.nonfinite_flag());
 }
 
-// A consumer warpgroup's loop over the block's work items, each in the loop for head dim kD:
-// overlapped at D = 128 and at D = 256 with 80-key tiles, where it is measured faster (P V of
-// 128 or 256 columns is long enough to hide a softmax; D = 256 +7 to +9 % at L = 16384,
-// cuda/NOTES.md h29), in sequence at D = 64, where the overlapped loop measured 10 % slower
-// (version h4; in the two-consumer block again 0-4 % slower, h27), and at D = 256 under a block
-// mask (64-key tiles, 216 registers: not measured overlapped). An item with no
-// visible key writes (0, -inf) without waiting for Q (none is loaded for it).
+// A consumer warpgroup's loop over the block's work items, each in the loop tiles::kOverlapped
+// chooses: overlapped at D = 128, at D = 256 with 80-key tiles and in D = 64's three-consumer
+// block, where it is measured faster (D = 256 +7 to +9 % at L = 16384, cuda/NOTES.md h29;
+// D = 64 +3 to +5 %, h34), in sequence in D = 64's two-consumer block, where the overlapped loop
+// measured 0-4 % slower (h27), and at D = 256 under a block mask (64-key tiles, 216 registers:
+// not measured overlapped). An item with no visible key writes (0, -inf) without waiting for Q
+// (none is loaded for it).
 //
 // With `nonfinite_flags` set, each consumer warp writes its word of them when the block's work
 // is done: flags[block * 4 kC + warp] = 1 when a value it stored was NaN or inf, else 0. With
@@ -369,7 +370,7 @@ __device__ void consume(const Params& hp, int consumer, const shared_tiles<kD, k
       continue;
     }
     ring.wait_q();
-    if constexpr (t::kOverlap || (kD == 64 && kC == 3)) {
+    if constexpr (t::kOverlapped) {
       consume_overlapped<T, kD, kC, kK>(hp, w, consumer, smem, ring, first);
     } else {
       consume_serial<T, kD, kC, kK>(hp, w, consumer, smem, ring, first);
