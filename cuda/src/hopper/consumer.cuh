@@ -189,14 +189,33 @@ __device__ void consume_overlapped(const Params& hp, const tile_work& w, int con
     for (int kk = 0; kk < tiles<kD, kC, kK>::kTileK / 16; ++kk)
       pv_product<T, kD, kK>(rO, rP[kk], smem.v_desc(s, kk));
   };
+  // In the three-consumer block, whose consumers are shortest of registers, a partial tile's
+  // mask bits are formed before its S is issued (mask.bits), so that S's 64 registers are not
+  // live beside the loop that forms them.
+  constexpr bool kEarlyBits = kC == 3;
+  std::uint32_t visible[2] = {0, 0};
+  const auto form_bits = [&](const stage_info& tile) {
+    if constexpr (kEarlyBits) {
+      if ((tile.flags & kTileFull) == 0) mask.template bits<kS>(visible, at, tile.tile);
+    }
+  };
   // Tile j's scores to unnormalised probabilities: the partial-tile mask, then the softmax step.
   const auto probabilities = [&](float(&rS)[kS], const stage_info& tile, float(&exp_old)[2]) {
-    mask.apply(rS, at, tile.tile, (tile.flags & kTileFull) != 0);
+    if constexpr (kEarlyBits) {
+      if ((tile.flags & kTileFull) != 0) {
+        mask.apply(rS, at, tile.tile, true);
+      } else {
+        mask.apply_bits(rS, visible);
+      }
+    } else {
+      mask.apply(rS, at, tile.tile, (tile.flags & kTileFull) != 0);
+    }
     softmax.step(rS, exp_old, mask.scale);
   };
 
   {  // The first tile: S_0 alone.
     const int s = ring.stage(ring.it);
+    form_bits(info);
     float rS[kS];  // (64, kTileK) per warpgroup
     wgmma_fence();
     qk_product<T, kD, kC, kK>(rS, smem, ring.q_slot(), consumer, s);
@@ -214,6 +233,7 @@ __device__ void consume_overlapped(const Params& hp, const tile_work& w, int con
     ++ring.it;
     if (item_ends<kD, kC, kK>(ring, info)) break;
     const int s = ring.stage(ring.it);
+    form_bits(info);
 
     // S_j = Q K_j^T, then O += P_{j-1} V_{j-1} behind it; wait for S_j alone.
     float rS[kS];
