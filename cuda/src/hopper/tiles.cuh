@@ -263,6 +263,11 @@ template <int kStages, int kC, bool kSplit, int kQ>
 struct barriers {
   static constexpr bool kSplitRelease = kSplit;
   static constexpr int kQStages = kQ;
+  // The three-consumer producer's 32 registers have no room for a count of its Q loads (ptxas
+  // kept it in local memory): there q_empty expects the producer's arrival too, which returns
+  // the phase to wait for (producer.cuh), and phase 0 starts with the consumers' arrivals made
+  // for them (no Q read yet).
+  static constexpr bool kQByState = kC == 3 && kQ == 1;
   std::uint64_t q_full[kQ];
   std::uint64_t q_empty[kQ];  // one arrival per consumer warp: Q of the buffer's item is read
   std::uint64_t k_full[kStages];
@@ -281,7 +286,12 @@ struct barriers {
       nonfinite[w] = 0;
     for (int b = 0; b < kQ; ++b) {
       mbar_init(&q_full[b], 1);
-      mbar_init(&q_empty[b], 4 * kC);
+      if constexpr (kQByState) {
+        mbar_init(&q_empty[b], 4 * kC + 1);
+        mbar_arrive_count(&q_empty[b], 4 * kC);
+      } else {
+        mbar_init(&q_empty[b], 4 * kC);
+      }
     }
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], 1);
