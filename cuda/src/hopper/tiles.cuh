@@ -57,9 +57,8 @@ struct block_shape {
   // instead; the host sends block masks to the two-consumer block of 64- or 128-key tiles).
   static constexpr bool kBlockMask = kC == 2 && !kLarge;
   // Producer / consumer registers: 32 / 160 in the three-consumer block (at 56 / 152 ptxas
-  // serialised its overlapped loop's wgmma, C7512; at 32 the producer keeps its count of Q
-  // loads in local memory, 8 bytes touched once per item, cuda/NOTES.md h34), 24 / 240 where
-  // kLarge, else 72 / 216.
+  // serialised its overlapped loop's wgmma, C7512; at 32 the producer counts no Q loads,
+  // barriers::kQByState; cuda/NOTES.md h34), 24 / 240 where kLarge, else 72 / 216.
   static constexpr int kProducerRegs = kC == 3 ? 32 : kLarge ? 24 : 72;
   static constexpr int kConsumerRegs = kC == 3 ? 160 : kLarge ? 240 : 216;
   static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * 128 * kC,
