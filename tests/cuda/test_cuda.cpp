@@ -474,18 +474,21 @@ TEST_CASE("cuda: the Hopper kernel's work items end to end, empty query tiles be
   // key (an item that closes at once between two that compute), and the last query tile is cut
   // short. At D = 128, and at D = 64 with the block mask, each item's last tile is marked and no
   // stage closes it (only the empty items have one); at D = 256 a stage closes each item; causal
-  // rows give items of one tile too. Run twice: the bits must not move.
+  // rows give items of one tile too. D = 64 without a block mask takes the three-consumer block
+  // (192 rows, 288 items: its producer waits for each Q by the state of its own arrival, two or
+  // three times a block), dense and causal over 1100 queries. Run twice: the bits must not move.
   if (!hopper_device()) return;
   problem_shape s;
   s.B = 2, s.Hq = 24, s.Hk = 6, s.Lq = 1000, s.Lk = 1100;
   // 0: block mask, D = 128; 1: causal, D = 128; 2, 3: causal and dense at D = 256 (80-key
-  // tiles, the last one cut short); 4: block mask, D = 64.
-  const int variant = GENERATE(0, 1, 2, 3, 4);
+  // tiles, the last one cut short); 4: block mask, D = 64; 5, 6: dense and causal at D = 64.
+  const int variant = GENERATE(0, 1, 2, 3, 4, 5, 6);
   const bool block_mask = variant == 0 || variant == 4;
-  s.D = s.Dv = variant == 4 ? 64 : variant < 2 ? 128 : 256;
+  s.D = s.Dv = variant >= 4 ? 64 : variant < 2 ? 128 : 256;
+  if (variant >= 5) s.Lq = 1100;  // causal over more than 1024 queries: three consumers too
   if (block_mask) {
     s.block_q = 128, s.block_k = 128, s.block_density = 0.4;
-  } else if (variant != 3) {
+  } else if (variant != 3 && variant != 5) {
     s.causal = causal_mode::bottom_right;
   }
   CAPTURE(s.describe());

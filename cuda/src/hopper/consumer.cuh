@@ -32,14 +32,15 @@ namespace flashref::cuda::detail::sm90 {
 
 // S (64, kTileK) = Q K^T over the head dim: one wgmma per 16 columns of it, Q from buffer
 // q_slot. The kD / 16 Q descriptors, the same in every call of an item, would be hoisted out of
-// the tile loop into two registers each; in the 240-register blocks (block_shape::kLarge: tiles
-// of more than 128 keys, D = 256's 80-key tiles) or with two Q buffers (whose descriptors change
-// from item to item) the consumer's registers are short, and they are formed in each call from one
-// copy of the first that the compiler cannot hoist (opaque), one add each.
+// the tile loop into two registers each; in the blocks short of registers (block_shape::kTight:
+// tiles of more than 128 keys, D = 256's 80-key tiles, three consumers) or with two Q buffers
+// (whose descriptors change from item to item) the consumer's registers are short, and they are
+// formed in each call from one copy of the first that the compiler cannot hoist (opaque), one add
+// each.
 template <class T, int kD, int kC, int kK, int kS>
 __device__ __forceinline__ void qk_product(float (&s)[kS], const shared_tiles<kD, kC, kK>& smem,
                                            int q_slot, int consumer, int stage) {
-  constexpr bool kFormed = block_shape<kC, kK>::kLarge || tiles<kD, kC, kK>::kQStages > 1;
+  constexpr bool kFormed = block_shape<kC, kK>::kTight || tiles<kD, kC, kK>::kQStages > 1;
   std::uint64_t q0 = 0;
   if constexpr (kFormed) q0 = opaque(smem.q_desc0(q_slot, consumer));
 #pragma unroll
@@ -188,14 +189,33 @@ __device__ void consume_overlapped(const Params& hp, const tile_work& w, int con
     for (int kk = 0; kk < tiles<kD, kC, kK>::kTileK / 16; ++kk)
       pv_product<T, kD, kK>(rO, rP[kk], smem.v_desc(s, kk));
   };
+  // In the three-consumer block, whose consumers are shortest of registers, a partial tile's
+  // mask bits are formed before its S is issued (mask.bits), so that S's 64 registers are not
+  // live beside the loop that forms them.
+  constexpr bool kEarlyBits = kC == 3;
+  std::uint32_t visible[2] = {0, 0};
+  const auto form_bits = [&](const stage_info& tile) {
+    if constexpr (kEarlyBits) {
+      if ((tile.flags & kTileFull) == 0) mask.template bits<kS>(visible, at, tile.tile);
+    }
+  };
   // Tile j's scores to unnormalised probabilities: the partial-tile mask, then the softmax step.
   const auto probabilities = [&](float(&rS)[kS], const stage_info& tile, float(&exp_old)[2]) {
-    mask.apply(rS, at, tile.tile, (tile.flags & kTileFull) != 0);
+    if constexpr (kEarlyBits) {
+      if ((tile.flags & kTileFull) != 0) {
+        mask.apply(rS, at, tile.tile, true);
+      } else {
+        mask.apply_bits(rS, visible);
+      }
+    } else {
+      mask.apply(rS, at, tile.tile, (tile.flags & kTileFull) != 0);
+    }
     softmax.step(rS, exp_old, mask.scale);
   };
 
   {  // The first tile: S_0 alone.
     const int s = ring.stage(ring.it);
+    form_bits(info);
     float rS[kS];  // (64, kTileK) per warpgroup
     wgmma_fence();
     qk_product<T, kD, kC, kK>(rS, smem, ring.q_slot(), consumer, s);
@@ -213,6 +233,7 @@ __device__ void consume_overlapped(const Params& hp, const tile_work& w, int con
     ++ring.it;
     if (item_ends<kD, kC, kK>(ring, info)) break;
     const int s = ring.stage(ring.it);
+    form_bits(info);
 
     // S_j = Q K_j^T, then O += P_{j-1} V_{j-1} behind it; wait for S_j alone.
     float rS[kS];
@@ -256,9 +277,9 @@ __device__ void consume_overlapped(const Params& hp, const tile_work& w, int con
   fence_operands(rO);
   ring.release_v(last);
   if constexpr (!tiles<kD, kC, kK>::kMarksLast) ring.release(ring.stage(ring.it++));
-  if constexpr (block_shape<kC, kK>::kLarge) {
+  if constexpr (block_shape<kC, kK>::kTight) {
     // The item's rows formed afresh from its number (the closing stage carries it), so that
-    // the 240 registers of the loop do not also hold the rows' end across it.
+    // the loop's registers do not also hold the rows' end across it.
     const tile_work rows =
         work_tile<tiles<kD, kC, kK>::kTileQ>(p, hp.work_group, opaque(info.work));
     store_item<T>(hp, smem, consumer, rows, at, rO, softmax, ring.nonfinite_flag());
@@ -330,13 +351,13 @@ __device__ void consume_serial(const Params& hp, const tile_work& w, int consume
   store_item<T>(hp, smem, consumer, w, at, rO, softmax, ring.nonfinite_flag());
 }
 
-// A consumer warpgroup's loop over the block's work items, each in the loop for head dim kD:
-// overlapped at D = 128 and at D = 256 with 80-key tiles, where it is measured faster (P V of
-// 128 or 256 columns is long enough to hide a softmax; D = 256 +7 to +9 % at L = 16384,
-// cuda/NOTES.md h29), in sequence at D = 64, where the overlapped loop measured 10 % slower
-// (version h4; in the two-consumer block again 0-4 % slower, h27), and at D = 256 under a block
-// mask (64-key tiles, 216 registers: not measured overlapped). An item with no
-// visible key writes (0, -inf) without waiting for Q (none is loaded for it).
+// A consumer warpgroup's loop over the block's work items, each in the loop tiles::kOverlapped
+// chooses: overlapped at D = 128, at D = 256 with 80-key tiles and in D = 64's three-consumer
+// block, where it is measured faster (D = 256 +7 to +9 % at L = 16384, cuda/NOTES.md h29;
+// D = 64 +3 to +5 %, h34), in sequence in D = 64's two-consumer block, where the overlapped loop
+// measured 0-4 % slower (h27), and at D = 256 under a block mask (64-key tiles, 216 registers:
+// not measured overlapped). An item with no visible key writes (0, -inf) without waiting for Q
+// (none is loaded for it).
 //
 // With `nonfinite_flags` set, each consumer warp writes its word of them when the block's work
 // is done: flags[block * 4 kC + warp] = 1 when a value it stored was NaN or inf, else 0. With
@@ -369,7 +390,7 @@ __device__ void consume(const Params& hp, int consumer, const shared_tiles<kD, k
       continue;
     }
     ring.wait_q();
-    if constexpr (t::kOverlap) {
+    if constexpr (t::kOverlapped) {
       consume_overlapped<T, kD, kC, kK>(hp, w, consumer, smem, ring, first);
     } else {
       consume_serial<T, kD, kC, kK>(hp, w, consumer, smem, ring, first);

@@ -47,6 +47,28 @@ struct tile_mask {
     mask_blocks<0>(s, at, tile);
   }
 
+  // A partial tile of at most 128 keys in two steps, for a caller short of registers: this
+  // thread's bits of the tile (as mask_blocks forms them) before its scores are in registers,
+  // then the scores masked by them.
+  template <int kN>
+  __device__ void bits(std::uint32_t (&visible)[2], const fragment_coords& at,
+                       std::int64_t tile) const {
+    static_assert(kN <= 64, "one word of bits per row");
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      visible[r] = detail::key_bits<kN / 4, false>(mask, w.b, w.h, w.q0 + at.row0 + 8 * r,
+                                                   tile * (2 * kN) + at.col0);
+    }
+  }
+  template <int kN>
+  __device__ void apply_bits(float (&s)[kN], const std::uint32_t (&visible)[2]) const {
+#pragma unroll
+    for (int i = 0; i < kN; ++i) {
+      const bool on = fragment_bit(visible, i / 4, i % 4);
+      s[i] = on ? s[i] * scale.pre : -INFINITY;
+    }
+  }
+
  private:
   // n8 blocks [kFirst, kFirst + 16) of a partial tile (to its end, if nearer): one bit per key
   // this thread holds of each row (bit 2 nb + c: key 8 (kFirst + nb) + col0 + c), built in a

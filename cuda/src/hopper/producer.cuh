@@ -102,15 +102,22 @@ __device__ __forceinline__ producer_counts produce_item(const Params& hp, unsign
   walker_type walker(p.mask, w.b, w.h, w.q0, w.q1);
   bool have = walker.more();
   if (have) {
-    // The consumers are done with the Q that this buffer held (t::kQStages items ago).
-    const int slot = n.q_loads % t::kQStages;
-    mbar_wait(&bar.q_empty[slot], ((n.q_loads / t::kQStages) & 1) ^ 1);
+    // The consumers are done with the Q that this buffer held (t::kQStages items ago): the
+    // phase of that release, by count, or by the state the producer's own arrival returns.
+    int slot = 0;
+    if constexpr (block_barriers<kD, kC, kK>::kQByState) {
+      if (leader) mbar_wait_state(&bar.q_empty[0], mbar_arrive_state(&bar.q_empty[0]));
+      __syncwarp();
+    } else {
+      slot = n.q_loads % t::kQStages;
+      mbar_wait(&bar.q_empty[slot], ((n.q_loads / t::kQStages) & 1) ^ 1);
+      ++n.q_loads;
+    }
     if (leader) {
       mbar_arrive_expect_tx(&bar.q_full[slot], t::kQBytes);
       tma_load_tile<kD, t::kQBoxBytes>(smem.q_stage(slot), &maps.q, w.q0, w.h, w.b,
                                        &bar.q_full[slot]);
     }
-    ++n.q_loads;
   }
   const bool closes = !t::kMarksLast || !have;
   while (have) {

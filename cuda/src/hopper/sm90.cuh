@@ -42,6 +42,32 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(std::uint64_t* bar, unsign
                "r"(bytes)
                : "memory");
 }
+// `count` arrivals at once (standing in for arrivals that have nothing to wait for).
+__device__ __forceinline__ void mbar_arrive_count(std::uint64_t* bar, unsigned count) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(count)
+               : "memory");
+}
+// One arrival; returns the state of the phase it arrived on, for mbar_wait_state.
+__device__ __forceinline__ std::uint64_t mbar_arrive_state(std::uint64_t* bar) {
+  std::uint64_t state;
+  asm volatile("mbarrier.arrive.shared::cta.b64 %0, [%1];\n"
+               : "=l"(state)
+               : "r"(smem_addr(bar))
+               : "memory");
+  return state;
+}
+// Waits until the phase that `state` names (mbar_arrive_state) has completed.
+__device__ __forceinline__ void mbar_wait_state(std::uint64_t* bar, std::uint64_t state) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_STATE:\n"
+      "mbarrier.try_wait.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_STATE;\n"
+      "}\n" ::"r"(smem_addr(bar)),
+      "l"(state)
+      : "memory");
+}
 // Waits until the phase of the given parity has completed.
 __device__ __forceinline__ void mbar_wait(std::uint64_t* bar, unsigned parity) {
   asm volatile(

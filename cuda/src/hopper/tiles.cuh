@@ -49,11 +49,18 @@ struct block_shape {
   // S (40) and the last tile's P (20). Their Q descriptors are formed in each call
   // (consumer.cuh's qk_product) and their rows' end afresh for the epilogue.
   static constexpr bool kLarge = kWide || kK == 80;
+  // Consumers short of registers for their loop: those above, and the three-consumer block's
+  // (D = 64 in the overlapped loop: O 32, S 64 and the last tile's P 32 of their 160). Their Q
+  // descriptors are formed in each call and their rows' end afresh for the epilogue too.
+  static constexpr bool kTight = kLarge || kC == 3;
   // Takes a block mask: its producer walks with tile_walker (the other producers walk a range
   // instead; the host sends block masks to the two-consumer block of 64- or 128-key tiles).
   static constexpr bool kBlockMask = kC == 2 && !kLarge;
-  static constexpr int kProducerRegs = kC == 3 ? 56 : kLarge ? 24 : 72;
-  static constexpr int kConsumerRegs = kC == 3 ? 152 : kLarge ? 240 : 216;
+  // Producer / consumer registers: 32 / 160 in the three-consumer block (at 56 / 152 ptxas
+  // serialised its overlapped loop's wgmma, C7512; at 32 the producer counts no Q loads,
+  // barriers::kQByState; cuda/NOTES.md h34), 24 / 240 where kLarge, else 72 / 216.
+  static constexpr int kProducerRegs = kC == 3 ? 32 : kLarge ? 24 : 72;
+  static constexpr int kConsumerRegs = kC == 3 ? 160 : kLarge ? 240 : 216;
   static_assert((kLaunchRegs - kProducerRegs) * 128 >= (kConsumerRegs - kLaunchRegs) * 128 * kC,
                 "the consumers take no more registers than the producer gives");
 };
@@ -90,8 +97,9 @@ struct key_tiles {
   // without a block mask (80-key tiles; consumer.cuh), holding tile j's K and tile j - 1's V at
   // once; K and V are released apart (barriers), so that 2 stages still let the producer load
   // a tile ahead: 2 stages (225 KiB with two Q buffers and the staged O at D = 128, 128 keys;
-  // 209 KiB with one Q at 176; 225 KiB with Q at D = 256, 80 keys). D = 64 runs in sequence,
-  // 3 stages; D = 256 under a block mask (64-key tiles) in sequence with 2.
+  // 209 KiB with one Q at 176; 225 KiB with Q at D = 256, 80 keys). D = 64 has 3 stages,
+  // released whole (its three-consumer block overlaps too: tiles::kOverlapped); D = 256 under a
+  // block mask (64-key tiles) runs in sequence with 2.
   static constexpr int kTileK = kK;  // keys per tile
   static constexpr bool kOverlap = kD == 128 || (kD == 256 && kK == 80);
   static constexpr int kStages = kD == 64 ? 3 : 2;
@@ -137,6 +145,11 @@ struct tiles : key_tiles<kD, kK> {
   // with it, cuda/NOTES.md h28).
   static constexpr bool kMarksLast =
       !block_shape<kC, kK>::kLarge && (keys::kOverlap || (kD == 64 && kC == 2));
+  // The consumers' loop (consumer.cuh): overlapped where key_tiles says, and in D = 64's
+  // three-consumer block (no block mask: dense, causal from 1025 queries, windows), measured
+  // 3-5 % faster there (cuda/NOTES.md h34); in sequence in D = 64's two-consumer block, where
+  // the overlap measured 0-4 % slower (h27), and at D = 256 under a block mask.
+  static constexpr bool kOverlapped = keys::kOverlap || (kD == 64 && kC == 3);
   // Dynamic shared memory.
   static constexpr int kSmemBytes = kInputBytes + (kStageO ? kOBytes : 0);
   static_assert(kSmemBytes <= kMaxSmemBytes, "the tiles fit one block's shared memory");
@@ -249,6 +262,11 @@ template <int kStages, int kC, bool kSplit, int kQ>
 struct barriers {
   static constexpr bool kSplitRelease = kSplit;
   static constexpr int kQStages = kQ;
+  // The three-consumer producer's 32 registers have no room for a count of its Q loads (ptxas
+  // kept it in local memory): there q_empty expects the producer's arrival too, which returns
+  // the phase to wait for (producer.cuh), and phase 0 starts with the consumers' arrivals made
+  // for them (no Q read yet).
+  static constexpr bool kQByState = kC == 3 && kQ == 1;
   std::uint64_t q_full[kQ];
   std::uint64_t q_empty[kQ];  // one arrival per consumer warp: Q of the buffer's item is read
   std::uint64_t k_full[kStages];
@@ -267,7 +285,12 @@ struct barriers {
       nonfinite[w] = 0;
     for (int b = 0; b < kQ; ++b) {
       mbar_init(&q_full[b], 1);
-      mbar_init(&q_empty[b], 4 * kC);
+      if constexpr (kQByState) {
+        mbar_init(&q_empty[b], 4 * kC + 1);
+        mbar_arrive_count(&q_empty[b], 4 * kC);
+      } else {
+        mbar_init(&q_empty[b], 4 * kC);
+      }
     }
     for (int s = 0; s < kStages; ++s) {
       mbar_init(&k_full[s], 1);
