@@ -354,7 +354,7 @@ __device__ void consume_serial(const Params& hp, const tile_work& w, int consume
 // A consumer warpgroup's loop over the block's work items, each in the loop tiles::kOverlapped
 // chooses: overlapped at D = 128, at D = 256 with 80-key tiles and in D = 64's three-consumer
 // block, where it is measured faster (D = 256 +7 to +9 % at L = 16384, cuda/NOTES.md h29;
-// D = 64 +3 to +5 %, h34), in sequence in D = 64's two-consumer block, where the overlapped loop
+// D = 64 +4.5 to +9 %, h34), in sequence in D = 64's two-consumer block, where the overlapped loop
 // measured 0-4 % slower (h27), and at D = 256 under a block mask (64-key tiles, 216 registers:
 // not measured overlapped). An item with no visible key writes (0, -inf) without waiting for Q
 // (none is loaded for it).

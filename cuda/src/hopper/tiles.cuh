@@ -147,7 +147,7 @@ struct tiles : key_tiles<kD, kK> {
       !block_shape<kC, kK>::kLarge && (keys::kOverlap || (kD == 64 && kC == 2));
   // The consumers' loop (consumer.cuh): overlapped where key_tiles says, and in D = 64's
   // three-consumer block (no block mask: dense, causal from 1025 queries, windows), measured
-  // 3-5 % faster there (cuda/NOTES.md h34); in sequence in D = 64's two-consumer block, where
+  // 4.5-9 % faster there (cuda/NOTES.md h34); in sequence in D = 64's two-consumer block, where
   // the overlap measured 0-4 % slower (h27), and at D = 256 under a block mask.
   static constexpr bool kOverlapped = keys::kOverlap || (kD == 64 && kC == 3);
   // Dynamic shared memory.
