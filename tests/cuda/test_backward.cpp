@@ -580,8 +580,8 @@ float bf16_step(float x) {
 TEST_CASE("cuda backward: the hopper dQ beside dK and dV, in fixed point and in float32",
           "[cuda][backward][race]") {
   if (!hopper_backward_device()) return;
-  // Long enough for the hopper kernel to form dQ beside dK and dV in either mode (Lk >= 8192;
-  // 16384 with a block mask); kv_len cuts a block's keys (its K rows past kv_len zeroed), GQA,
+  // Long enough for the hopper kernel to form dQ beside dK and dV in either mode (Lk >= 4096;
+  // 8192 with a block mask); kv_len cuts a block's keys (its K rows past kv_len zeroed), GQA,
   // the window moving the first key tile each query tile sees. D = 128 splits dQ's columns between
   // the consumers, D = 64 its keys.
   problem_shape s;
@@ -834,8 +834,8 @@ TEST_CASE(
 
 // Where the hopper kernel forms dQ beside dK and dV (the dQ sums in the workspace), by the keys a
 // row can see (a window bounding both sides counts its span, causal bounds the right side): in
-// float32 from 2048 (8192 with a block mask); in fixed point at D = 128 from 8192 (16384 with
-// one), at D = 64 from 4096 (8192); below, dQ has its own pass.
+// float32 from 2048 (8192 with a block mask), in fixed point from 4096 (8192), at D = 64 and 128
+// alike; below, dQ has its own pass.
 TEST_CASE("cuda backward: where the hopper dQ beside dK and dV applies", "[cuda][backward]") {
   if (!hopper_backward_device()) return;
   struct rule_case {
@@ -843,35 +843,24 @@ TEST_CASE("cuda backward: where the hopper dQ beside dK and dV applies", "[cuda]
     bool block_mask;
     causal_mode causal;
     std::int64_t left, right;
-    bool applies;           // float32 sums (deterministic = false)
-    bool fixed_applies;     // fixed-point sums (the default), D = 128
-    bool fixed_applies_64;  // the same at D = 64
+    bool applies;        // float32 sums (deterministic = false)
+    bool fixed_applies;  // fixed-point sums (the default)
   };
   const causal_mode none = causal_mode::none, br = causal_mode::bottom_right;
-  const rule_case c =
-      GENERATE_COPY(values<rule_case>({{2048, false, none, -1, -1, true, false, false},
-                                       {2047, false, none, -1, -1, false, false, false},
-                                       {2048, false, br, -1, -1, true, false, false},
-                                       {4096, false, none, -1, -1, true, false, true},
-                                       {4095, false, br, -1, -1, true, false, false},
-                                       {8192, false, none, -1, -1, true, true, true},
-                                       {8191, false, br, -1, -1, true, false, true},
-                                       {8192, false, none, 1000, 1047, true, false, false},
-                                       {8192, false, none, 1000, 1046, false, false, false},
-                                       {8192, false, none, 2000, 2095, true, false, true},
-                                       {8192, false, none, 2000, 2094, true, false, false},
-                                       {8192, false, br, 2047, 5000, true, false, false},
-                                       {8192, false, br, 2046, -1, false, false, false},
-                                       {8192, false, none, 3000, -1, true, true, true},
-                                       {9000, false, none, 4095, 4096, true, true, true},
-                                       {9000, false, none, 4095, 4095, true, false, true},
-                                       {8192, true, none, -1, -1, true, false, true},
-                                       {8191, true, none, -1, -1, false, false, false},
-                                       {16384, true, none, -1, -1, true, true, true},
-                                       {16383, true, br, -1, -1, true, false, true},
-                                       {16384, true, none, 4000, 4000, false, false, false}}));
+  const rule_case c = GENERATE_COPY(values<rule_case>({
+      {2048, false, none, -1, -1, true, false},      {2047, false, none, -1, -1, false, false},
+      {2048, false, br, -1, -1, true, false},        {4096, false, none, -1, -1, true, true},
+      {4095, false, br, -1, -1, true, false},        {8192, false, none, -1, -1, true, true},
+      {8191, false, br, -1, -1, true, true},         {8192, false, none, 1000, 1047, true, false},
+      {8192, false, none, 1000, 1046, false, false}, {8192, false, none, 2000, 2095, true, true},
+      {8192, false, none, 2000, 2094, true, false},  {8192, false, br, 2047, 5000, true, false},
+      {8192, false, br, 2046, -1, false, false},     {8192, false, none, 3000, -1, true, true},
+      {9000, false, none, 4095, 4096, true, true},   {9000, false, none, 4095, 4095, true, true},
+      {8192, true, none, -1, -1, true, true},        {8191, true, none, -1, -1, false, false},
+      {16384, true, none, -1, -1, true, true},       {16383, true, br, -1, -1, true, true},
+      {16384, true, none, 4000, 4000, false, false},
+  }));
   const std::int64_t D = GENERATE(64, 128);
-  const bool fixed_applies = D == 64 ? c.fixed_applies_64 : c.fixed_applies;
   CAPTURE(c.lk, c.block_mask, c.left, c.right, static_cast<int>(c.causal), D);
   const std::int64_t B = 1, H = 1, Lq = 64;
   device_memory mem;
@@ -908,7 +897,7 @@ TEST_CASE("cuda backward: where the hopper dQ beside dK and dV applies", "[cuda]
   // Delta's 256 bytes and a spare 256 always; where the sums apply, 64 rows x D words for the
   // one query tile, and in fixed point the rows' flags and scales and the bounds, 256 each.
   REQUIRE(float32 == 512 + (c.applies ? std::size_t(64 * D * 4) : 0));
-  REQUIRE(fixed == 512 + (fixed_applies ? std::size_t(64 * D * 4 + 3 * 256) : 0));
+  REQUIRE(fixed == 512 + (c.fixed_applies ? std::size_t(64 * D * 4 + 3 * 256) : 0));
 }
 
 // The gradients' layout decides how they are stored (16-byte pieces of whole columns where
