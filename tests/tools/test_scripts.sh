@@ -328,6 +328,68 @@ expect "gpu-tables: a record without them shows n/a there" 0 \
 expect "gpu-tables with a paired record without kernels" 2 "paired.json: record 0: expected the kernels of bench_gpu_paired.py" \
   -- "$tables" "$work/round-paired-bad"
 
+# scripts/targets: the issues' targets judged from a run's JSON, or one line naming what is wrong.
+targets=$root/scripts/targets
+expect "targets without arguments" 2 "usage: scripts/targets RESULTS_DIR" -- "$targets"
+expect "targets with no JSON" 2 "expected bench_torch.json, bench_torch_backward.json or bench_cpu.json" \
+  -- "$targets" "$work/round-empty"
+expect "targets with a JSON that is not a list" 2 "bench_torch.json: expected a JSON list" \
+  -- "$targets" "$work/round-bad"
+expect "targets with a record that lacks a field" 2 "record 0: expected a field 'visible_fraction'" \
+  -- "$targets" "$work/round-short"
+# round-ok: one dense and one block-sparse point at D = 64, L = 1024.
+expect "targets: a target none of whose points ran says so" 0 \
+  "\| block-sparse D = 64, L ≥ 2048: ≥ 1.3 × FlexAttention \| – \| not measured \| – \|" \
+  -- "$targets" "$work/round-ok"
+expect "targets: a point short of its target" 0 \
+  "\| L = 512 and 1024, dense and causal: ≥ 0.9 × cuDNN \| D = 64, L = 1024, dense \| 0.875 × \| no \|" \
+  -- "$targets" "$work/round-ok"
+mkdir -p "$work/round-targets"
+cat >"$work/round-targets/bench_torch.json" <<'JSON'
+[{"D": 64, "Lq": 4096, "mask": "dense", "density": 1.0, "visible_fraction": 1.0,
+  "median_s": 0.010, "ours_over_cudnn": 1.01, "nan_count": 0},
+ {"D": 64, "Lq": 4096, "mask": "block_sparse", "density": 0.5, "visible_fraction": 0.44,
+  "median_s": 0.0055, "time_vs_dense": 0.55, "ours_over_flex": 1.35, "nan_count": 0},
+ {"D": 64, "Lq": 4096, "mask": "block_sparse", "density": 0.2, "visible_fraction": 0.18,
+  "median_s": 0.0021, "time_vs_dense": 0.21, "ours_over_flex": 1.25, "nan_count": 1},
+ {"D": 64, "Lq": 16384, "mask": "block_sparse", "density": 0.05, "visible_fraction": 0.04,
+  "median_s": 0.001, "time_vs_dense": 0.08, "ours_over_flex": 1.5, "nan_count": 0},
+ {"D": 64, "Lq": 16384, "mask": "block_sparse", "density": 0.2, "visible_fraction": 0.18,
+  "median_s": 0.002, "time_vs_dense": 0.2, "ours_over_flex": 1.4, "nan_count": 0}]
+JSON
+expect "targets: the worst of several points, and how many met" 0 \
+  "\| block-sparse D = 64, L ≥ 2048: ≥ 1.3 × FlexAttention \| 4 points \| 1.250 × to 1.500 ×; worst 1.250 × at D = 64, L = 4096, bs 0.2 \| no \(3 of 4\) \|" \
+  -- "$targets" "$work/round-targets"
+expect "targets: time over dense against d + 0.05" 0 \
+  "\| block-sparse D = 64, L ≥ 2048: time ≤ \(d \+ 0.05\) × dense, d the visible fraction \| 4 points \| d \+ 0.020 to d \+ 0.110; worst d \+ 0.110 at D = 64, L = 4096, bs 0.5 \| no \(3 of 4\) \|" \
+  -- "$targets" "$work/round-targets"
+expect "targets: a NaN at any point fails the NaN row" 0 \
+  "\| no NaN at any point \| 5 points \| rows with a NaN: 1 \| no \|" \
+  -- "$targets" "$work/round-targets"
+mkdir -p "$work/round-cpu"
+cat >"$work/round-cpu/bench_cpu.json" <<'JSON'
+[{"backend": "peak_fma", "gflops": 230.0},
+ {"backend": "cpu", "D": 128, "Lq": 4096, "mask": "dense", "density": 1.0, "note": "target",
+  "gflops": 200.0, "median_s": 0.35, "threads": 2, "isa": "avx512", "peak_fraction": 0.87},
+ {"backend": "cpu_backward", "D": 128, "Lq": 4096, "mask": "dense", "density": 1.0,
+  "note": "target, 0.75 x the forward's GFLOP/s", "gflops": 150.0, "median_s": 0.9,
+  "threads": 2, "isa": "avx512"},
+ {"backend": "cpu_backward", "D": 128, "Lq": 4096, "mask": "block_sparse", "density": 0.17,
+  "note": "target", "gflops": 150.0, "median_s": 0.18, "threads": 2, "isa": "avx512"}]
+JSON
+expect "targets: the CPU forward's share of peak" 0 \
+  "\| forward, dense: ≥ 75 % of the measured FMA peak \| D = 128, L = 4096, dense, 2 threads, avx512 \| 87 % \| \*\*yes\*\* \|" \
+  -- "$targets" "$work/round-cpu"
+expect "targets: the CPU backward against its forward" 0 \
+  "\| backward, dense: ≥ 0.8 × the forward's GFLOP/s \| D = 128, L = 4096, dense, 2 threads, avx512 \| 0.750 × \| no \|" \
+  -- "$targets" "$work/round-cpu"
+expect "targets: the CPU backward's block-sparse time over its dense time" 0 \
+  "\| backward, block-sparse at density 0.2: time ≤ 0.30 × dense \| visible 0.170, 2 threads, avx512 \| 0.200 × \| \*\*yes\*\* \|" \
+  -- "$targets" "$work/round-cpu"
+echo '[{"backend": "cpu", "D": 128}]' >"$work/round-cpu/bench_cpu.json"
+expect "targets with a CPU record that lacks a field" 2 "a 'cpu' record: expected a field 'Lq'" \
+  -- "$targets" "$work/round-cpu"
+
 # The paired stage: skipped with a note where the pack has no wheel, run (forward and
 # backward) where it has one.
 expect "gpu-round: the paired stage without a wheel is skipped" 0 "paired: skipped \(no wheel in the pack" \
