@@ -42,6 +42,8 @@ struct alignas(64) tile_config {
 };
 
 struct dot {
+  static constexpr std::int64_t kStridePad = 0;  // bf16_layout::ldt
+
   static void begin() {
     tile_config cfg;
     for (int t = 0; t < 8; ++t) {
