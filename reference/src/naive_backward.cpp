@@ -14,11 +14,13 @@ namespace {
 
 bool naive_visible(const attention_problem& p, std::int64_t b, std::int64_t h, std::int64_t i,
                    std::int64_t j) {
-  const std::int64_t offset = p.len_k() - p.len_q();
-  if (p.causal == causal_mode::bottom_right && j > i + offset) return false;
+  // How far key j lies right of query i's bottom-right diagonal, compared with the window
+  // sizes as a distance: added to them it overflowed for windows near 2^63 (found by fuzzing).
+  const std::int64_t past_diagonal = j - i - (p.len_k() - p.len_q());
+  if (p.causal == causal_mode::bottom_right && past_diagonal > 0) return false;
   if (p.causal == causal_mode::top_left && j > i) return false;
-  if (p.window_left >= 0 && j < i + offset - p.window_left) return false;
-  if (p.window_right >= 0 && j > i + offset + p.window_right) return false;
+  if (p.window_left >= 0 && past_diagonal < -p.window_left) return false;
+  if (p.window_right >= 0 && past_diagonal > p.window_right) return false;
   if (p.kv_len != nullptr && j >= p.kv_len[b]) return false;
   if (p.has_block_mask()) {
     const std::int64_t mb = p.block_mask.shape[0] == 1 ? 0 : b;

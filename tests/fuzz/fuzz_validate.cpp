@@ -7,15 +7,25 @@
 //  - a real problem: small shapes over buffers that hold them, inputs from a few exact values,
 //    windows, block sizes and kv_len from anywhere in their valid range, random tiles and
 //    split-KV chunks; run on the reference and the CPU backend, which must agree within the
-//    contract's tolerance and give (0, -inf) on exactly the same empty rows.
+//    contract's tolerance and give (0, -inf) on exactly the same empty rows. Then, as the
+//    input asks, the same problem in bfloat16 or float16 (every value above is exact in both)
+//    on one of the processor's half paths, within the half tolerance, and bit for bit the same
+//    from 16-bit storage as from float32 storage; and the CPU backward against the naive
+//    float64 backward (SPEC §9), empty rows' dQ and unseen keys' dK, dV exactly 0.
 #include <fuzzer/FuzzedDataProvider.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
+#include <cstring>
 #include <limits>
 #include <vector>
 
 #include "flashref/cpu/attention.hpp"
+#include "flashref/cpu/backward.hpp"
+#include "flashref/cpu/half.hpp"
+#include "flashref/reference/backward.hpp"
 #include "flashref/reference/conformance.hpp"
 #include "flashref/reference/mask.hpp"
 #include "flashref/reference/naive.hpp"
@@ -102,6 +112,133 @@ void any_descriptor(FuzzedDataProvider& in) {
   }
 }
 
+// O (B, Hq, Lq, Dv) and LSE (B, Hq, Lq) of p's outputs, row-major whatever their layout.
+void output_rows(const flashref::attention_problem& p, std::vector<float>& o_rows,
+                 std::vector<float>& lse_rows) {
+  o_rows.clear();
+  lse_rows.clear();
+  for (i64 b = 0; b < p.batch(); ++b)
+    for (i64 h = 0; h < p.heads_q(); ++h)
+      for (i64 i = 0; i < p.len_q(); ++i) {
+        lse_rows.push_back(p.lse(b, h, i));
+        for (i64 x = 0; x < p.head_dim_v(); ++x)
+          o_rows.push_back(p.o(b, h, i, x));
+      }
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](float x, float y) {
+           return std::memcmp(&x, &y, sizeof x) == 0;
+         });
+}
+
+// The problem (float32 storage `q`, `k`, `v` behind p's views, every value exact in 16 bits)
+// as bfloat16 or float16 inputs on one of the half paths this processor runs: within the half
+// tolerance of the golden values; from 16-bit storage (half_problem) the same bits; with O
+// written in 16 bits, O rounded once from those bits.
+void half_inputs(FuzzedDataProvider& in, flashref::attention_problem p, flashref::cpu::options opt,
+                 const flashref::reference::golden& g, const std::vector<float>& q,
+                 const std::vector<float>& k, const std::vector<float>& v) {
+  using flashref::input_dtype;
+  p.dtype = in.ConsumeBool() ? input_dtype::bfloat16 : input_dtype::float16;
+  const std::vector<flashref::cpu::half_path> paths = flashref::cpu::supported_half_paths(p.dtype);
+  opt.half = paths[in.ConsumeIntegralInRange<std::size_t>(0, paths.size() - 1)];
+  const i64 B = p.batch(), Hq = p.heads_q(), Lq = p.len_q(), Dv = p.head_dim_v();
+  std::vector<float> o(std::size_t(B * Hq * Lq * Dv), NAN), lse(std::size_t(B * Hq * Lq), NAN);
+  p.o = flashref::contiguous<float, 4>(o.data(), {B, Hq, Lq, Dv});
+  p.lse = flashref::contiguous<float, 3>(lse.data(), {B, Hq, Lq});
+  flashref::fuzz::require_no_throw([&] { flashref::cpu::attention(p, opt); },
+                                   "cpu runs the half problem");
+  const flashref::conformance_report rep =
+      flashref::compare(g, o.data(), lse.data(), flashref::default_tolerance(p.dtype, 3.0));
+  flashref::fuzz::require(rep.pass(), "the CPU's half path conforms to the reference");
+
+  const bool bf16 = p.dtype == input_dtype::bfloat16;
+  const auto bits = [&](const std::vector<float>& x) {
+    std::vector<std::uint16_t> h(x.size());
+    for (std::size_t n = 0; n < x.size(); ++n)
+      h[n] = bf16 ? flashref::cpu::bf16_from_float(x[n]) : flashref::cpu::f16_from_float(x[n]);
+    return h;
+  };
+  const std::vector<std::uint16_t> q16 = bits(q), k16 = bits(k), v16 = bits(v);
+  std::vector<float> o2(o.size(), NAN), lse2(lse.size(), NAN);
+  std::vector<std::uint16_t> o16(o.size(), 0xffff);
+  flashref::cpu::half_problem hp{p, q16.data(), k16.data(), v16.data(), nullptr};
+  hp.p.o = flashref::contiguous<float, 4>(o2.data(), {B, Hq, Lq, Dv});
+  hp.p.lse = flashref::contiguous<float, 3>(lse2.data(), {B, Hq, Lq});
+  flashref::fuzz::require_no_throw([&] { flashref::cpu::attention(hp, opt); },
+                                   "cpu runs the 16-bit storage");
+  flashref::fuzz::require(same_bits(o, o2) && same_bits(lse, lse2),
+                          "16-bit storage gives the bits of float32 storage");
+  hp.o = o16.data();
+  flashref::fuzz::require_no_throw([&] { flashref::cpu::attention(hp, opt); },
+                                   "cpu writes O in 16 bits");
+  flashref::fuzz::require(o16 == bits(o), "O in 16 bits is the float32 O rounded once");
+}
+
+// The CPU backward of p (o and lse hold the CPU forward's results) for an upstream gradient of
+// exact values: against the naive float64 backward within SPEC §9's float32 tolerance, with
+// the empty rows' dQ and the unseen keys' dK, dV exactly 0.
+void backward(FuzzedDataProvider& in, const flashref::attention_problem& p,
+              flashref::cpu::options opt, const float (&values)[8]) {
+  const i64 B = p.batch(), Hq = p.heads_q(), Hk = p.heads_k(), Lq = p.len_q(), Lk = p.len_k(),
+            D = p.head_dim(), Dv = p.head_dim_v();
+  std::vector<float> d_o(std::size_t(B * Hq * Lq * Dv));
+  for (float& e : d_o)
+    e = values[in.ConsumeIntegralInRange<int>(0, 7)];
+  std::vector<float> dq(std::size_t(B * Hq * Lq * D), NAN), dk(std::size_t(B * Hk * Lk * D), NAN),
+      dv(std::size_t(B * Hk * Lk * Dv), NAN);
+  flashref::attention_gradients g;
+  g.d_o = flashref::contiguous<const float, 4>(d_o.data(), {B, Hq, Lq, Dv});
+  g.dq = flashref::contiguous<float, 4>(dq.data(), {B, Hq, Lq, D});
+  g.dk = flashref::contiguous<float, 4>(dk.data(), {B, Hk, Lk, D});
+  g.dv = flashref::contiguous<float, 4>(dv.data(), {B, Hk, Lk, Dv});
+  opt.tile_q = in.ConsumeIntegralInRange<i64>(0, 64);
+  opt.tile_k = in.ConsumeIntegralInRange<i64>(0, 64);
+  opt.backward_chunks = in.ConsumeIntegralInRange<i64>(0, 8);
+  const flashref::reference::golden_gradients ref =
+      flashref::reference::naive_attention_backward(p, g.d_o);
+  flashref::fuzz::require_no_throw([&] { flashref::cpu::attention_backward(p, g, opt); },
+                                   "the cpu backward runs it");
+  // SPEC §9's tolerance scales with max|ref|, which presumes a gradient of the size of its
+  // terms. Exact inputs can make a whole tensor cancel (dQ_i = scale Σ_j P_ij (dP_ij - Delta_i)
+  // K_j is 0 for every row whose visible keys share one K, say): the golden is then 0 up to
+  // float64 rounding (1e-14) and any float32 evaluation misses it by eps times its terms. There,
+  // and only there (max|ref| below 1e-3 of the terms' bound M), the error is held to 1e-4 M
+  // instead; non-finite values and the zero rows are judged as always.
+  const double scale = p.softmax_scale(), group_rows = double(p.group_size() * Lq);
+  const double most = 3.0;  // max |x| of the values above, every input alike
+  const double dp_bound = 2.0 * double(Dv) * most * most;  // |dP - Delta|
+  const auto judge = [&](const std::vector<double>& golden, const std::vector<float>& got, i64 cols,
+                         const std::vector<char>& zero, double terms) {
+    const flashref::gradient_report r =
+        flashref::compare_gradient(golden, got.data(), cols, zero, flashref::input_dtype::float32);
+    const bool cancelled = r.max_ref < 1e-3 * terms && r.nonfinite == 0 && r.zero_rows_nan == 0 &&
+                           r.zero_rows_nonzero == 0 && r.max_abs_err <= 1e-4 * terms;
+    if (!r.pass() && !cancelled) {  // what the finding is, beside the input libFuzzer keeps
+      std::fprintf(stderr,
+                   "fuzz: B %lld Hq %lld Hk %lld Lq %lld Lk %lld D %lld Dv %lld, causal %s, "
+                   "window %lld %lld, block mask %d (%lld x %lld), kv_len %d; tiles %lld x "
+                   "%lld, chunks %lld: %lld bad of %lld, %lld non-finite, max error %g "
+                   "against max |ref| %g, zero rows %lld (NaN %lld, non-zero %lld)\n",
+                   (long long)B, (long long)Hq, (long long)Hk, (long long)Lq, (long long)Lk,
+                   (long long)D, (long long)Dv, flashref::to_string(p.causal),
+                   (long long)p.window_left, (long long)p.window_right, int(p.has_block_mask()),
+                   (long long)p.block_q, (long long)p.block_k, int(p.kv_len != nullptr),
+                   (long long)opt.tile_q, (long long)opt.tile_k, (long long)opt.backward_chunks,
+                   (long long)r.bad_elements, (long long)r.elements, (long long)r.nonfinite,
+                   r.max_abs_err, r.max_ref, (long long)r.zero_rows, (long long)r.zero_rows_nan,
+                   (long long)r.zero_rows_nonzero);
+    }
+    return r.pass() || cancelled;
+  };
+  flashref::fuzz::require(judge(ref.dq, dq, D, ref.row_empty, scale * dp_bound * most),
+                          "dQ conforms");
+  flashref::fuzz::require(
+      judge(ref.dk, dk, D, ref.key_unseen, scale * dp_bound * most * group_rows), "dK conforms");
+  flashref::fuzz::require(judge(ref.dv, dv, Dv, ref.key_unseen, most * group_rows), "dV conforms");
+}
+
 void real_problem(FuzzedDataProvider& in) {
   const i64 B = in.ConsumeIntegralInRange<i64>(0, 2), Hk = in.ConsumeIntegralInRange<i64>(1, 2),
             group = in.ConsumeIntegralInRange<i64>(1, 2), Hq = Hk * group,
@@ -171,17 +308,13 @@ void real_problem(FuzzedDataProvider& in) {
   const flashref::reference::golden g = flashref::reference::naive_attention(p);
   flashref::fuzz::require_no_throw([&] { flashref::cpu::attention(p, opt); }, "cpu runs it");
   std::vector<float> o_rows, lse_rows;  // (B, Hq, Lq, Dv) whatever the layout
-  for (i64 b = 0; b < B; ++b)
-    for (i64 h = 0; h < Hq; ++h)
-      for (i64 i = 0; i < Lq; ++i) {
-        lse_rows.push_back(p.lse(b, h, i));
-        for (i64 x = 0; x < Dv; ++x)
-          o_rows.push_back(p.o(b, h, i, x));
-      }
+  output_rows(p, o_rows, lse_rows);
   const flashref::conformance_report rep =
       flashref::compare(g, o_rows.data(), lse_rows.data(),
                         flashref::default_tolerance(flashref::input_dtype::float32, 3.0));
   flashref::fuzz::require(rep.pass(), "the CPU backend conforms to the reference");
+  if (in.ConsumeBool()) half_inputs(in, p, opt, g, q, k, v);
+  if (in.ConsumeBool()) backward(in, p, opt, values);
 }
 
 }  // namespace

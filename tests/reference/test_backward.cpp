@@ -4,6 +4,8 @@
 // every mask alone and combined) at several tiles, then random problems at random tiles.
 #include <catch2/catch.hpp>
 
+#include <algorithm>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -160,6 +162,30 @@ TEST_CASE("golden backward: empty rows and unseen keys are exactly zero", "[back
   }
   REQUIRE(empty >= s.Lq + (s.Lq - s.Lk));  // all of batch 0, the top rows of batch 1
   REQUIRE(unseen >= s.Lk);
+}
+
+TEST_CASE("golden backward: windows as wide as 2^63 - 1 are no window (found by fuzzing)",
+          "[backward]") {
+  // The golden backward's visibility test once added the window to the row's diagonal, which
+  // overflowed for windows near 2^63 and hid every key on one side.
+  for (const bool taller : {false, true}) {  // Lq > Lk puts the diagonal left of key 0
+    problem_shape s;
+    s.B = 1, s.Hq = 2, s.Hk = 1, s.Lq = taller ? 23 : 9, s.Lk = taller ? 9 : 23, s.D = 4, s.Dv = 3;
+    problem_data d = random_problem(s, 5);
+    add_upstream_gradient(d, 5);
+    flashref::attention_problem p = d.problem();
+    const auto a = flashref::reference::naive_attention_backward(p, d.gradients().d_o);
+    p.window_left = INT64_MAX;
+    p.window_right = INT64_MAX - 1;
+    const auto b = flashref::reference::naive_attention_backward(p, d.gradients().d_o);
+    CAPTURE(taller);
+    REQUIRE(b.row_empty == a.row_empty);
+    REQUIRE(b.key_unseen == a.key_unseen);
+    REQUIRE(b.dq == a.dq);
+    REQUIRE(b.dk == a.dk);
+    REQUIRE(b.dv == a.dv);
+    REQUIRE(std::count(a.row_empty.begin(), a.row_empty.end(), 1) == 0);
+  }
 }
 
 TEST_CASE("tiled backward: the backward catalogue's edge cases at several tiles", "[backward]") {
