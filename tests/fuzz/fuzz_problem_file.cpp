@@ -1,6 +1,7 @@
 // Fuzz harness: bytes as a problem file (SPEC §7), opened from memory through HDF5's file
-// image. A problem that reads back is run on the reference and, when small, the CPU backend:
-// whatever the file said, reading and running it may only refuse with problem_error.
+// image. A problem that reads back is run on the reference and, when small, the CPU backend,
+// and so is the backward where the file holds /inputs/do (SPEC §9): whatever the file said,
+// reading and running it may only refuse with problem_error.
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -26,6 +27,13 @@ void require_finite_outputs(const flashref::problem_data& d) {
                             "finite inputs give an LSE that is finite or -inf");
 }
 
+// SPEC §9: finite inputs give finite gradients, on every backend.
+void require_finite_gradients(const flashref::problem_data& d) {
+  for (const auto* x : {&d.dq, &d.dk, &d.dv})
+    for (const float e : *x)
+      flashref::fuzz::require(std::isfinite(e), "finite inputs give finite gradients");
+}
+
 bool all_finite(const xt::xtensor<float, 4>& x) {
   for (const float e : x)
     if (!std::isfinite(e) || std::fabs(e) > kMaxInput) return false;
@@ -42,10 +50,15 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     const bool finite = all_finite(in.q) && all_finite(in.k) && all_finite(in.v) &&
                         std::isfinite(in.inputs().softmax_scale()) &&
                         std::fabs(in.inputs().softmax_scale()) <= kMaxInput;
+    const bool backward = in.d_o.size() > 0;
+    if (backward && flashref::backward_flops(in.inputs()) > 2.5 * kMaxFlops) return;
     for (const flashref::backend be : {flashref::backend::reference, flashref::backend::cpu}) {
       flashref::problem_data d = in;
       flashref::attention(d.problem(), be);
       if (finite) require_finite_outputs(d);
+      if (!backward) continue;
+      flashref::attention_backward(d.problem(), d.gradients(), be);
+      if (finite && all_finite(d.d_o)) require_finite_gradients(d);
     }
   });
   return 0;
