@@ -574,18 +574,19 @@ void attention(const half_problem& hp, const options& opt) {
   run(p, st, opt);
 }
 
-double peak_fma_gflops(isa i, int threads, double seconds) {
-  if (i == isa::automatic) i = best_isa();
-  if (!supported(i)) unsupported(i);
+namespace {
+
+// The best rate of `loop` (FLOPs per call of `iterations` rounds) on `threads` threads over
+// about `seconds`, in windows of about 50 ms.
+double peak_gflops(double (*loop)(std::int64_t), int threads, double seconds) {
   if (threads < 1) fail("threads", ">= 1", std::to_string(threads));
-  const kernel_table& kt = *table_of(i);
   using clock = std::chrono::steady_clock;
   // Calibrate on one thread, then run every thread for about `seconds`.
   std::int64_t iters = 1 << 16;
   double per_iter = 0;
   for (;;) {
     const auto t0 = clock::now();
-    kt.fma_loop(iters);
+    loop(iters);
     const double s = std::chrono::duration<double>(clock::now() - t0).count();
     if (s > 0.02) {
       per_iter = s / double(iters);
@@ -607,11 +608,32 @@ double peak_fma_gflops(isa i, int threads, double seconds) {
     double flops = 0;
     const auto t0 = clock::now();
 #pragma omp parallel num_threads(threads) reduction(+ : flops)
-    flops += kt.fma_loop(n);
+    flops += loop(n);
     const double s = std::chrono::duration<double>(clock::now() - t0).count();
     best = std::max(best, flops / s * 1e-9);
   }
   return best;
+}
+
+}  // namespace
+
+double peak_fma_gflops(isa i, int threads, double seconds) {
+  if (i == isa::automatic) i = best_isa();
+  if (!supported(i)) unsupported(i);
+  return peak_gflops(table_of(i)->fma_loop, threads, seconds);
+}
+
+double peak_dot_gflops(half_path h, int threads, double seconds) {
+  if (h == half_path::automatic) h = preferred_half_path(input_dtype::bfloat16);
+  if (h == half_path::convert) return peak_fma_gflops(isa::automatic, threads, seconds);
+  if (!supported(h)) {
+    fail("half_path",
+         std::string("a path this processor runs (") + to_string(half_path::convert) +
+             (supported(half_path::avx512_bf16) ? ", avx512_bf16" : "") +
+             (supported(half_path::amx) ? ", amx" : "") + ")",
+         std::string("'") + to_string(h) + "'");
+  }
+  return peak_gflops(table_of(h)->dot_loop, threads, seconds);
 }
 
 }  // namespace flashref::cpu

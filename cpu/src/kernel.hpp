@@ -154,6 +154,10 @@ struct kernel_table {
   std::size_t (*backward_workspace_floats)(const backward_context& ctx);
   void (*run_backward)(const backward_context& ctx, const backward_item& item,
                        thread_workspace& ws);
+  // bf16 kernels only (else null): `iterations` rounds of independent bfloat16 dot products
+  // into float32 on the path's own unit (vdpbf16ps, AMX tiles), on one thread; returns the
+  // FLOPs done (2 per multiply-add).
+  double (*dot_loop)(std::int64_t iterations);
 };
 
 const kernel_table& portable_kernels();

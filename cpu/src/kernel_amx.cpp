@@ -54,6 +54,37 @@ struct dot {
   }
   static void end() { _tile_release(); }
 
+  // The peak of tdpbf16ps: four independent 16 x 16 float32 result tiles, each product 16 x 16
+  // x 32 multiply-adds from two A and two B tiles loaded once.
+  static double peak_loop(std::int64_t iterations) {
+    alignas(64) std::uint16_t ab[16 * 32];
+    std::fill(ab, ab + 16 * 32, bf16_from_float(1e-3f));
+    alignas(64) float c[16 * 16];
+    begin();
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_loadd(4, ab, 64);
+    _tile_loadd(5, ab, 64);
+    _tile_loadd(6, ab, 64);
+    _tile_loadd(7, ab, 64);
+    for (std::int64_t it = 0; it < iterations; ++it) {
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, 64);
+    _tile_stored(1, c, 64);
+    _tile_stored(2, c, 64);
+    _tile_stored(3, c, 64);
+    end();
+    volatile float sink = c[0];
+    (void)sink;
+    return 2.0 * 4.0 * 16.0 * 16.0 * 32.0 * double(iterations);
+  }
+
   // Sᵀ rows [0, nk rounded up to 16) = K · Qᵀ, 32 x 32 blocks of four result tiles.
   static void qk(std::int64_t nk, std::int64_t nvec, std::int64_t Dkp, const std::uint16_t* k,
                  std::int64_t ldk, const std::uint16_t* qv, std::int64_t ldq, float* s,

@@ -117,6 +117,25 @@ struct dot {
   static void begin() {}
   static void end() {}
 
+  // The peak of vdpbf16ps: 16 independent accumulators, each instruction 16 lanes x 2
+  // multiply-adds. The sums grow by 2e-6 a round: never near float32's limits.
+  static double peak_loop(std::int64_t iterations) {
+    constexpr int N = 16;
+    reg a[N];
+    for (int k = 0; k < N; ++k)
+      a[k] = vec::set1(0.001f * float(k));
+    const __m512bh x = __m512bh(_mm512_set1_epi16(std::int16_t(bf16_from_float(1e-3f))));
+    for (std::int64_t it = 0; it < iterations; ++it)
+      for (int k = 0; k < N; ++k)
+        a[k] = _mm512_dpbf16_ps(a[k], x, x);
+    reg sum = vec::zero();
+    for (int k = 0; k < N; ++k)
+      sum = vec::add(sum, a[k]);
+    volatile float sink = vec::reduce_add(sum);
+    (void)sink;
+    return 2.0 * 2.0 * double(W) * double(N) * double(iterations);
+  }
+
   static void qk(std::int64_t nk, std::int64_t nvec, std::int64_t Dkp, const std::uint16_t* k,
                  std::int64_t ldk, const std::uint16_t* qv, std::int64_t ldq, float* s,
                  std::int64_t lds) {

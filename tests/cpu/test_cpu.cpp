@@ -286,6 +286,21 @@ TEST_CASE("cpu: the peak FMA microbenchmark measures something", "[cpu]") {
   REQUIRE(g > 0.1);
 }
 
+TEST_CASE("cpu: the bf16 paths' peak microbenchmark measures their own unit", "[cpu]") {
+  for (half_path h : flashref::cpu::supported_half_paths(flashref::input_dtype::bfloat16)) {
+    const double g = flashref::cpu::peak_dot_gflops(h, 1, 0.01);
+    CAPTURE(flashref::cpu::to_string(h), g);
+    REQUIRE(std::isfinite(g));
+    REQUIRE(g > 0.1);
+  }
+  for (half_path h : {half_path::avx512_bf16, half_path::amx}) {
+    if (flashref::cpu::supported(h)) continue;
+    CAPTURE(flashref::cpu::to_string(h));
+    REQUIRE_THROWS_WITH(flashref::cpu::peak_dot_gflops(h, 1, 0.01),
+                        Catch::StartsWith("half_path: expected a path this processor runs"));
+  }
+}
+
 // ---- bfloat16 and float16 inputs -------------------------------------------------------------
 
 namespace {

@@ -436,7 +436,8 @@ int run_bench(const bench_options& opt) {
   print_header();
 
   // Baselines of the machine.
-  double peak = 0;
+  double peak = 0, peak_dot = 0;
+  cpu::half_path peak_dot_path = cpu::half_path::convert;
   if (opt.baselines) {
     bench_record r;
     r.backend = "peak_fma";
@@ -448,6 +449,26 @@ int run_bench(const bench_options& opt) {
     peak = r.gflops;
     print_record(r);
     recs.push_back(r);
+    // bfloat16 on a path with its own unit: that unit's rate, which its points' %peak is taken
+    // against (the convert path runs the fp32 kernels, against peak_fma).
+    const cpu::half_path hp = copt.half == cpu::half_path::automatic
+                                  ? cpu::preferred_half_path(input_dtype::bfloat16)
+                                  : copt.half;
+    if (dtype == "bfloat16" && used == cpu::isa::avx512 &&
+        (hp == cpu::half_path::avx512_bf16 || hp == cpu::half_path::amx)) {
+      bench_record dot;
+      dot.backend = "peak_dot";
+      dot.threads = threads;
+      dot.isa = std::string(cpu::to_string(used)) + "+" + cpu::to_string(hp);
+      dot.gflops = cpu::peak_dot_gflops(hp, threads, 0.3);
+      dot.point.mask = "none";
+      dot.note = hp == cpu::half_path::amx ? "register-only AMX tdpbf16ps loop"
+                                           : "register-only vdpbf16ps loop";
+      peak_dot = dot.gflops;
+      peak_dot_path = hp;
+      print_record(dot);
+      recs.push_back(dot);
+    }
     bench_record c;
     c.backend = "copy_bandwidth";
     c.threads = threads;
@@ -502,9 +523,15 @@ int run_bench(const bench_options& opt) {
       r.backend = b;
       r.flops = d.flops;
       r.note = tag;
+      double point_peak = 0;
       if (b == "cpu") {
         const bool half = d.data.opt.dtype != input_dtype::float32;
         const cpu::plan pl = half ? cpu::make_plan(d.hp, copt) : cpu::make_plan(d.p, copt);
+        // %peak against the rate of the unit the point's kernels use: the FMA for fp32 and the
+        // convert path, the bf16 path's own unit otherwise (where it was measured).
+        point_peak = !half || pl.half == cpu::half_path::convert ? peak
+                     : pl.half == peak_dot_path                  ? peak_dot
+                                                                 : 0;
         r.threads = pl.threads;
         r.isa = cpu::to_string(pl.used);
         if (half) {
@@ -525,8 +552,8 @@ int run_bench(const bench_options& opt) {
         r.median_s = median_time([&] { reference::tiled_attention(d.p); }, opt.seconds);
       }
       r.gflops = r.flops / r.median_s * 1e-9;
-      // %peak against the fp32 FMA rate: for fp32 points only (the bf16 units have their own).
-      if (peak > 0 && b == "cpu" && pt.dtype == "float32") r.peak_fraction = r.gflops / peak;
+      if (point_peak > 0 && b == "cpu" && (pt.dtype == "float32" || pt.mask != "decode"))
+        r.peak_fraction = r.gflops / point_peak;  // decode rows of bf16 take the fp32 kernels
       for (float x : d.data.o)
         ok = ok && !std::isnan(x);
       if (pt.mask == "decode") {

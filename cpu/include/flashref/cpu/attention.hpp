@@ -112,5 +112,9 @@ void attention(const half_problem& hp, const options& opt = {});
 // of which the best counts (a disturbed window measures less, never more). GFLOP/s (an FMA is 2
 // FLOPs).
 double peak_fma_gflops(isa i, int threads, double seconds = 0.2);
+// The same for the unit of a bfloat16 path: vdpbf16ps (avx512_bf16) or AMX tiles (amx), two
+// FLOPs per multiply-add; convert runs the fp32 kernels, so its peak is peak_fma_gflops of the
+// best instruction set. Throws problem_error for a path this processor does not run.
+double peak_dot_gflops(half_path h, int threads, double seconds = 0.2);
 
 }  // namespace flashref::cpu
