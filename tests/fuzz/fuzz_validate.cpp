@@ -29,6 +29,7 @@
 #include "flashref/reference/conformance.hpp"
 #include "flashref/reference/mask.hpp"
 #include "flashref/reference/naive.hpp"
+#include "flashref/reference/tiled.hpp"
 #include "harness.hpp"
 
 namespace {
@@ -178,7 +179,8 @@ void half_inputs(FuzzedDataProvider& in, flashref::attention_problem p, flashref
 
 // The CPU backward of p (o and lse hold the CPU forward's results) for an upstream gradient of
 // exact values: against the naive float64 backward within SPEC §9's float32 tolerance, with
-// the empty rows' dQ and the unseen keys' dK, dV exactly 0.
+// the empty rows' dQ and the unseen keys' dK, dV exactly 0; then, as the input asks, the
+// reference's scalar tiled backward at random tiles, judged the same way.
 void backward(FuzzedDataProvider& in, const flashref::attention_problem& p,
               flashref::cpu::options opt, const float (&values)[8]) {
   const i64 B = p.batch(), Hq = p.heads_q(), Hk = p.heads_k(), Lq = p.len_q(), Lk = p.len_k(),
@@ -209,6 +211,7 @@ void backward(FuzzedDataProvider& in, const flashref::attention_problem& p,
   const double scale = p.softmax_scale(), group_rows = double(p.group_size() * Lq);
   const double most = 3.0;  // max |x| of the values above, every input alike
   const double dp_bound = 2.0 * double(Dv) * most * most;  // |dP - Delta|
+  const char* who = "the cpu backward";
   const auto judge = [&](const std::vector<double>& golden, const std::vector<float>& got, i64 cols,
                          const std::vector<char>& zero, double terms) {
     const flashref::gradient_report r =
@@ -217,11 +220,11 @@ void backward(FuzzedDataProvider& in, const flashref::attention_problem& p,
                            r.zero_rows_nonzero == 0 && r.max_abs_err <= 1e-4 * terms;
     if (!r.pass() && !cancelled) {  // what the finding is, beside the input libFuzzer keeps
       std::fprintf(stderr,
-                   "fuzz: B %lld Hq %lld Hk %lld Lq %lld Lk %lld D %lld Dv %lld, causal %s, "
+                   "fuzz: %s: B %lld Hq %lld Hk %lld Lq %lld Lk %lld D %lld Dv %lld, causal %s, "
                    "window %lld %lld, block mask %d (%lld x %lld), kv_len %d; tiles %lld x "
                    "%lld, chunks %lld: %lld bad of %lld, %lld non-finite, max error %g "
                    "against max |ref| %g, zero rows %lld (NaN %lld, non-zero %lld)\n",
-                   (long long)B, (long long)Hq, (long long)Hk, (long long)Lq, (long long)Lk,
+                   who, (long long)B, (long long)Hq, (long long)Hk, (long long)Lq, (long long)Lk,
                    (long long)D, (long long)Dv, flashref::to_string(p.causal),
                    (long long)p.window_left, (long long)p.window_right, int(p.has_block_mask()),
                    (long long)p.block_q, (long long)p.block_k, int(p.kv_len != nullptr),
@@ -232,11 +235,27 @@ void backward(FuzzedDataProvider& in, const flashref::attention_problem& p,
     }
     return r.pass() || cancelled;
   };
-  flashref::fuzz::require(judge(ref.dq, dq, D, ref.row_empty, scale * dp_bound * most),
-                          "dQ conforms");
-  flashref::fuzz::require(
-      judge(ref.dk, dk, D, ref.key_unseen, scale * dp_bound * most * group_rows), "dK conforms");
-  flashref::fuzz::require(judge(ref.dv, dv, Dv, ref.key_unseen, most * group_rows), "dV conforms");
+  const auto require_conform = [&] {
+    flashref::fuzz::require(judge(ref.dq, dq, D, ref.row_empty, scale * dp_bound * most),
+                            "dQ conforms");
+    flashref::fuzz::require(
+        judge(ref.dk, dk, D, ref.key_unseen, scale * dp_bound * most * group_rows), "dK conforms");
+    flashref::fuzz::require(judge(ref.dv, dv, Dv, ref.key_unseen, most * group_rows),
+                            "dV conforms");
+  };
+  require_conform();
+  if (in.ConsumeBool()) {
+    who = "the tiled reference's backward";
+    for (std::vector<float>* x : {&dq, &dk, &dv})
+      std::fill(x->begin(), x->end(), NAN);
+    const flashref::reference::tile_shape tile{in.ConsumeIntegralInRange<i64>(1, 40),
+                                               in.ConsumeIntegralInRange<i64>(1, 40)};
+    opt.tile_q = tile.q, opt.tile_k = tile.k, opt.backward_chunks = 0;  // as the message says
+    flashref::fuzz::require_no_throw(
+        [&] { flashref::reference::tiled_attention_backward(p, g, tile); },
+        "the tiled reference's backward runs it");
+    require_conform();
+  }
 }
 
 void real_problem(FuzzedDataProvider& in) {
