@@ -34,6 +34,7 @@ using flashref::test::catalogue_case;
 using flashref::test::check_against_naive;
 using flashref::test::problem_shape;
 using flashref::test::same_bits;
+using flashref::test::to_bits;
 using flashref::test::with_isa;
 
 namespace {
@@ -315,16 +316,6 @@ flashref::cpu::options with_half(half_path h, std::int64_t tq = 0, std::int64_t 
 
 constexpr flashref::input_dtype kHalves[] = {flashref::input_dtype::bfloat16,
                                              flashref::input_dtype::float16};
-
-// 16-bit storage of a float tensor whose values are representable in `dtype`.
-template <class X>
-std::vector<std::uint16_t> to_bits(const X& x, flashref::input_dtype dtype) {
-  std::vector<std::uint16_t> out(x.size());
-  for (std::size_t n = 0; n < x.size(); ++n)
-    out[n] = dtype == flashref::input_dtype::bfloat16 ? flashref::cpu::bf16_from_float(x.data()[n])
-                                                      : flashref::cpu::f16_from_float(x.data()[n]);
-  return out;
-}
 
 float from_bits(std::uint16_t h, flashref::input_dtype dtype) {
   return dtype == flashref::input_dtype::bfloat16 ? flashref::cpu::bf16_to_float(h)

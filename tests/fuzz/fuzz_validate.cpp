@@ -18,13 +18,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
-#include <cstring>
 #include <limits>
 #include <vector>
 
+#include "../cpu/cpu_test.hpp"  // same_bits, to_bits
 #include "flashref/cpu/attention.hpp"
 #include "flashref/cpu/backward.hpp"
-#include "flashref/cpu/half.hpp"
 #include "flashref/reference/backward.hpp"
 #include "flashref/reference/conformance.hpp"
 #include "flashref/reference/mask.hpp"
@@ -113,26 +112,6 @@ void any_descriptor(FuzzedDataProvider& in) {
   }
 }
 
-// O (B, Hq, Lq, Dv) and LSE (B, Hq, Lq) of p's outputs, row-major whatever their layout.
-void output_rows(const flashref::attention_problem& p, std::vector<float>& o_rows,
-                 std::vector<float>& lse_rows) {
-  o_rows.clear();
-  lse_rows.clear();
-  for (i64 b = 0; b < p.batch(); ++b)
-    for (i64 h = 0; h < p.heads_q(); ++h)
-      for (i64 i = 0; i < p.len_q(); ++i) {
-        lse_rows.push_back(p.lse(b, h, i));
-        for (i64 x = 0; x < p.head_dim_v(); ++x)
-          o_rows.push_back(p.o(b, h, i, x));
-      }
-}
-
-bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
-  return a.size() == b.size() && std::equal(a.begin(), a.end(), b.begin(), [](float x, float y) {
-           return std::memcmp(&x, &y, sizeof x) == 0;
-         });
-}
-
 // The problem (float32 storage `q`, `k`, `v` behind p's views, every value exact in 16 bits)
 // as bfloat16 or float16 inputs on one of the half paths this processor runs: within the half
 // tolerance of the golden values; from 16-bit storage (half_problem) the same bits; with O
@@ -154,14 +133,10 @@ void half_inputs(FuzzedDataProvider& in, flashref::attention_problem p, flashref
       flashref::compare(g, o.data(), lse.data(), flashref::default_tolerance(p.dtype, 3.0));
   flashref::fuzz::require(rep.pass(), "the CPU's half path conforms to the reference");
 
-  const bool bf16 = p.dtype == input_dtype::bfloat16;
-  const auto bits = [&](const std::vector<float>& x) {
-    std::vector<std::uint16_t> h(x.size());
-    for (std::size_t n = 0; n < x.size(); ++n)
-      h[n] = bf16 ? flashref::cpu::bf16_from_float(x[n]) : flashref::cpu::f16_from_float(x[n]);
-    return h;
-  };
-  const std::vector<std::uint16_t> q16 = bits(q), k16 = bits(k), v16 = bits(v);
+  using flashref::test::same_bits;
+  using flashref::test::to_bits;
+  const std::vector<std::uint16_t> q16 = to_bits(q, p.dtype), k16 = to_bits(k, p.dtype),
+                                   v16 = to_bits(v, p.dtype);
   std::vector<float> o2(o.size(), NAN), lse2(lse.size(), NAN);
   std::vector<std::uint16_t> o16(o.size(), 0xffff);
   flashref::cpu::half_problem hp{p, q16.data(), k16.data(), v16.data(), nullptr};
@@ -174,7 +149,7 @@ void half_inputs(FuzzedDataProvider& in, flashref::attention_problem p, flashref
   hp.o = o16.data();
   flashref::fuzz::require_no_throw([&] { flashref::cpu::attention(hp, opt); },
                                    "cpu writes O in 16 bits");
-  flashref::fuzz::require(o16 == bits(o), "O in 16 bits is the float32 O rounded once");
+  flashref::fuzz::require(o16 == to_bits(o, p.dtype), "O in 16 bits is the float32 O rounded once");
 }
 
 // The CPU backward of p (o and lse hold the CPU forward's results) for an upstream gradient of
@@ -209,7 +184,9 @@ void backward(FuzzedDataProvider& in, const flashref::attention_problem& p,
   // and only there (max|ref| below 1e-3 of the terms' bound M), the error is held to 1e-4 M
   // instead; non-finite values and the zero rows are judged as always.
   const double scale = p.softmax_scale(), group_rows = double(p.group_size() * Lq);
-  const double most = 3.0;  // max |x| of the values above, every input alike
+  double most = 0;  // max |x| of the values inputs are drawn from, every input alike
+  for (const float x : values)
+    most = std::max(most, double(std::fabs(x)));
   const double dp_bound = 2.0 * double(Dv) * most * most;  // |dP - Delta|
   const char* who = "the cpu backward";
   const auto judge = [&](const std::vector<double>& golden, const std::vector<float>& got, i64 cols,
@@ -327,7 +304,13 @@ void real_problem(FuzzedDataProvider& in) {
   const flashref::reference::golden g = flashref::reference::naive_attention(p);
   flashref::fuzz::require_no_throw([&] { flashref::cpu::attention(p, opt); }, "cpu runs it");
   std::vector<float> o_rows, lse_rows;  // (B, Hq, Lq, Dv) whatever the layout
-  output_rows(p, o_rows, lse_rows);
+  for (i64 b = 0; b < B; ++b)
+    for (i64 h = 0; h < Hq; ++h)
+      for (i64 i = 0; i < Lq; ++i) {
+        lse_rows.push_back(p.lse(b, h, i));
+        for (i64 x = 0; x < Dv; ++x)
+          o_rows.push_back(p.o(b, h, i, x));
+      }
   const flashref::conformance_report rep =
       flashref::compare(g, o_rows.data(), lse_rows.data(),
                         flashref::default_tolerance(flashref::input_dtype::float32, 3.0));
