@@ -52,13 +52,14 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
                         std::fabs(in.inputs().softmax_scale()) <= kMaxInput;
     const bool backward = in.d_o.size() > 0;
     if (backward && flashref::backward_flops(in.inputs()) > 2.5 * kMaxFlops) return;
+    const bool finite_do = backward && all_finite(in.d_o);
     for (const flashref::backend be : {flashref::backend::reference, flashref::backend::cpu}) {
       flashref::problem_data d = in;
       flashref::attention(d.problem(), be);
       if (finite) require_finite_outputs(d);
       if (!backward) continue;
       flashref::attention_backward(d.problem(), d.gradients(), be);
-      if (finite && all_finite(d.d_o)) require_finite_gradients(d);
+      if (finite && finite_do) require_finite_gradients(d);
     }
   });
   return 0;
