@@ -133,13 +133,19 @@ bool processor_runs(half_path h) {
   return false;
 }
 
-std::string supported_list() {
+// The names of `items` (instruction sets, half paths), comma-separated.
+template <class Items>
+std::string listed(const Items& items) {
   std::string s;
-  for (isa i : supported_isas()) {
+  for (const auto& x : items) {
     if (!s.empty()) s.append(", ");
-    s.append(to_string(i));
+    s.append(to_string(x));
   }
   return s;
+}
+
+std::string supported_list() {
+  return listed(supported_isas());
 }
 
 [[noreturn]] void fail(const std::string& field, const std::string& expected,
@@ -293,13 +299,12 @@ plan make_plan(const attention_problem& p, const options& opt) {
       if (pl.used == isa::avx512) pl.half = preferred_half_path(p.dtype);
     } else if (std::find(paths.begin(), paths.end(), opt.half) == paths.end() ||
                (opt.half != half_path::convert && pl.used != isa::avx512)) {
+      // The bf16 kernels are AVX-512 kernels: on a lesser instruction set only convert runs.
+      const std::vector<half_path> runs =
+          pl.used == isa::avx512 ? paths : std::vector<half_path>{half_path::convert};
       std::string expected = "a path this processor runs for ";
       expected.append(to_string(p.dtype)).append(" inputs on ").append(to_string(pl.used));
-      expected.append(" (convert");
-      if (pl.used == isa::avx512)
-        for (std::size_t n = 1; n < paths.size(); ++n)
-          expected.append(", ").append(to_string(paths[n]));
-      expected.append(")");
+      expected.append(" (").append(listed(runs)).append(")");
       fail("half_path", expected, std::string("'") + to_string(opt.half) + "'");
     } else {
       pl.half = opt.half;
@@ -628,9 +633,7 @@ double peak_dot_gflops(half_path h, int threads, double seconds) {
   if (h == half_path::convert) return peak_fma_gflops(isa::automatic, threads, seconds);
   if (!supported(h)) {
     fail("half_path",
-         std::string("a path this processor runs (") + to_string(half_path::convert) +
-             (supported(half_path::avx512_bf16) ? ", avx512_bf16" : "") +
-             (supported(half_path::amx) ? ", amx" : "") + ")",
+         "a path this processor runs (" + listed(supported_half_paths(input_dtype::bfloat16)) + ")",
          std::string("'") + to_string(h) + "'");
   }
   return peak_gflops(table_of(h)->dot_loop, threads, seconds);
