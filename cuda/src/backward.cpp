@@ -117,19 +117,29 @@ std::int64_t keys_a_row_sees(const device_problem& f) {
 // a block mask from 2048 keys (dense +5.5 % at D = 64, +6.1 % at D = 128 there; causal +2.9 %,
 // +2.0 %; at 1024 from +2.7 % to -6.6 %); with one, whose density the host does not know, from
 // 8192 (+3.6 to +10.4 % at densities 0.5 / 0.2 / 0.05 there, but -3.1 % at D = 128, density
-// 0.05; at 4096 down to -16 %). Fixed point (the default): from 4096 keys, 8192 with a block
-// mask (each part costs a conversion more than float32's). At D = 64, whose dK, dV kernel hides
-// the conversion under the next tile's products (b9): +4.4 % dense, +0.9 % causal at 4096 (at
-// 2048 +4.1 % / -3.6 %), +1.7 % at density 0.2 with 8192 keys (-0.8 % at 4096). At D = 128 it
-// had measured -3.8 to -0.1 % at 4096 (b6); after b8 put dQ's product ahead of dV's and dK's,
-// +5.0 % dense and +0.9 % causal there, +1.8 % at density 0.2 with 8192 keys (b18, an H100).
+// 0.05; at 4096 down to -16 %). Fixed point (the default): where the rows see 2048 keys or more
+// on average (visible_pairs: the saving is per pair, the cost per row; causal over Lq = Lk from
+// 4096); with a block mask, whose density the host does not know, where a row can see 8192 or
+// more (each part costs a conversion more than float32's). Measured against the dQ pass: at
+// D = 64, whose dK, dV kernel hides the conversion under the next tile's products (b9), +4.4 %
+// dense and +0.9 % causal at 4096, dense +4.1 % and +5.5 % at 2048 (b9, b19), causal -3.6 % and
+// -0.5 % there; +1.7 % at density 0.2 with 8192 keys (-0.8 % at 4096). At D = 128, after b8
+// put dQ's product ahead of dV's and dK's: +5.0 % dense and +0.9 % causal at 4096 (b18), +0.3 %
+// dense and -3.8 % causal at 2048 (b19), +1.8 % at density 0.2 with 8192 keys (cuda/NOTES.md,
+// b18-b20; an H100).
 constexpr std::int64_t kSumsMinKeys = 2048, kSumsMinKeysBlockSparse = 8192;
-constexpr std::int64_t kFixedMinKeys = 4096, kFixedMinKeysBlockSparse = 8192;
+constexpr std::int64_t kFixedMinMeanKeys = 2048, kFixedMinKeysBlockSparse = 8192;
 bool dq_beside_dkdv(const device_backward_problem& p, kernel_kind kernel) {
   if (kernel != kernel_kind::hopper) return false;
   const bool sparse = p.forward.block_mask.data != nullptr;
   const std::int64_t keys = keys_a_row_sees(p.forward);
-  if (p.deterministic) return keys >= (sparse ? kFixedMinKeysBlockSparse : kFixedMinKeys);
+  if (p.deterministic) {
+    if (sparse) return keys >= kFixedMinKeysBlockSparse;
+    const device_problem& f = p.forward;
+    const std::int64_t lq = f.q.shape[2];
+    return lq > 0 && detail::visible_pairs(lq, f.k.shape[2], f.causal, f.window_left,
+                                           f.window_right) >= kFixedMinMeanKeys * lq;
+  }
   return keys >= (sparse ? kSumsMinKeysBlockSparse : kSumsMinKeys);
 }
 

@@ -212,6 +212,55 @@ inline std::size_t hopper_dq_sums_bytes(std::int64_t batch, std::int64_t heads_q
   return std::size_t(batch * heads_q * tiles * kHopperDqRows * head_dim) * sizeof(float);
 }
 
+// The (query, key) pairs of one head that causal and the window leave visible (mask_spec's
+// row_range summed over the len_q rows; kv_len and a block mask aside), in closed form: row i
+// sees [max(0, i + b), min(len_k, i + a)), where a is the nearest right bound's offset (causal
+// at the diagonal, window_right past it) and b the window's left one, both along the bottom-right
+// diagonal i + len_k - len_q; between the rows where a bound meets 0 or len_k the count is
+// linear in i, and each piece's sum is that of an arithmetic series. The host's rule for the
+// Hopper backward's fixed-point dQ weighs it per row (backward.cpp).
+inline std::int64_t visible_pairs(std::int64_t len_q, std::int64_t len_k, causal_mode causal,
+                                  std::int64_t window_left, std::int64_t window_right) {
+  const std::int64_t diag = len_k - len_q, far = len_q + len_k;  // a wider window bounds nothing
+  bool right = false, left = window_left >= 0;
+  std::int64_t a = 0;
+  const auto bound_right = [&](std::int64_t offset) {
+    a = right && a < offset ? a : offset;
+    right = true;
+  };
+  if (causal == causal_mode::bottom_right) bound_right(diag + 1);
+  if (causal == causal_mode::top_left) bound_right(1);
+  if (window_right >= 0) bound_right(diag + (window_right < far ? window_right : far) + 1);
+  const std::int64_t b = left ? diag - (window_left < far ? window_left : far) : 0;
+  // The rows where the count's form changes, within [0, len_q].
+  std::int64_t cut[4] = {0, len_q, len_q, len_q};
+  const auto clamp = [&](std::int64_t i) { return i < 0 ? 0 : i > len_q ? len_q : i; };
+  if (right) cut[2] = clamp(len_k - a);
+  if (left) cut[3] = clamp(-b);
+  for (int x = 1; x < 4; ++x)  // sorted by insertion
+    for (int y = x; y > 0 && cut[y] < cut[y - 1]; --y) {
+      const std::int64_t t = cut[y];
+      cut[y] = cut[y - 1];
+      cut[y - 1] = t;
+    }
+  std::int64_t pairs = 0;
+  for (int x = 0; x + 1 < 4; ++x) {
+    std::int64_t s = cut[x], e = cut[x + 1];
+    if (e <= s) continue;
+    // On [s, e) the count is max(0, p + q i): the right end i + a or len_k, less the left end
+    // i + b or 0.
+    const bool right_moves = right && s < len_k - a, left_moves = left && s >= -b;
+    const std::int64_t p = (right_moves ? a : len_k) - (left_moves ? b : 0);
+    const int q = int(right_moves) - int(left_moves);
+    if (q > 0 && s < 1 - p) s = 1 - p;  // p + i > 0 from i = 1 - p
+    if (q < 0 && e > p) e = p;          // p - i > 0 below i = p
+    if (e <= s || (q == 0 && p <= 0)) continue;
+    const std::int64_t n = e - s;
+    pairs += n * p + q * ((s + e - 1) * n / 2);  // (s + e - 1) n is even
+  }
+  return pairs;
+}
+
 // dQ in fixed point (backward_params::dq_row_scale): the scale of row i's parts, 2^(29 - e) for
 // a bound on their magnitude below 2^e, so that every part and every sum of the row stays below
 // 2^29 (half of the 2^30 at which a part is flagged: the margin covers the rounding of P and dS

@@ -305,11 +305,12 @@ def attention_backward(
         memory) and host memory on the first available backend with a backward pass.
     deterministic : bool
         ``True`` (the default): the same gradient bits on every run (the CUDA backward on
-        compute capability 9.0 adds dQ's parts in fixed point from 4096 keys, 8192 with a
-        block mask: docs/backends.md). ``False`` lets it add them as float32 in whatever
-        order they finish (bf16 / fp16, D = 64 or 128, from 2048 keys; 8192 with a block
-        mask): faster there, dQ within the same tolerance but not bitwise repeatable, dK and
-        dV unchanged. Elsewhere it changes nothing.
+        compute capability 9.0 adds dQ's parts in fixed point where the rows see 2048 keys
+        or more on average, with a block mask where they can see 8192: docs/backends.md).
+        ``False`` lets it add them as float32 in whatever order they finish (bf16 / fp16,
+        D = 64 or 128, from 2048 keys; 8192 with a block mask): faster there, dQ within the
+        same tolerance but not bitwise repeatable, dK and dV unchanged. Elsewhere it changes
+        nothing.
 
     Returns
     -------

@@ -580,10 +580,10 @@ float bf16_step(float x) {
 TEST_CASE("cuda backward: the hopper dQ beside dK and dV, in fixed point and in float32",
           "[cuda][backward][race]") {
   if (!hopper_backward_device()) return;
-  // Long enough for the hopper kernel to form dQ beside dK and dV in either mode (Lk >= 4096;
-  // 8192 with a block mask); kv_len cuts a block's keys (its K rows past kv_len zeroed), GQA,
-  // the window moving the first key tile each query tile sees. D = 128 splits dQ's columns between
-  // the consumers, D = 64 its keys.
+  // Long enough for the hopper kernel to form dQ beside dK and dV in either mode (2048 keys a
+  // row on average; 8192 with a block mask); kv_len cuts a block's keys (its K rows past kv_len
+  // zeroed), GQA, the window moving the first key tile each query tile sees. D = 128 splits dQ's
+  // columns between the consumers, D = 64 its keys.
   problem_shape s;
   s.B = 2, s.Hq = 4, s.Hk = 2, s.Lq = 130, s.D = s.Dv = GENERATE(64, 128);
   const int shape = GENERATE(0, 1, 2);
@@ -636,7 +636,7 @@ TEST_CASE("cuda backward: the hopper dQ beside dK and dV, in fixed point and in 
 // The pair blocks (D = 64 where a dK, dV block's walk is short: a block mask, or at most 8192
 // keys; one consumer warpgroup of 64 keys, two blocks per SM: hopper_backward.cu) at their edges:
 // kv_len ending inside a block of 64 keys, whose K rows past it the single consumer zeroes before
-// dQ = dS K reads them (dQ beside dK and dV: Lk >= 8192 under a block mask, 4096 without one), in
+// dQ = dS K reads them (dQ beside dK and dV: Lk >= 8192 under a block mask, 2048 without one), in
 // fixed point and in float32; a last block holding fewer than 64 keys; mask blocks that do not
 // divide the blocks; GQA; then the same edges with few keys (dK, dV by the pair blocks, dQ by its
 // own pass), with and without a block mask. Golden gradients, and the bits again on a second run
@@ -832,10 +832,11 @@ TEST_CASE(
   }
 }
 
-// Where the hopper kernel forms dQ beside dK and dV (the dQ sums in the workspace), by the keys a
-// row can see (a window bounding both sides counts its span, causal bounds the right side): in
-// float32 from 2048 (8192 with a block mask), in fixed point from 4096 (8192), at D = 64 and 128
-// alike; below, dQ has its own pass.
+// Where the hopper kernel forms dQ beside dK and dV (the dQ sums in the workspace), at D = 64 and
+// 128 alike: in float32 where a row can see 2048 keys (a window bounding both sides counts its
+// span, causal bounds the right side; 8192 with a block mask); in fixed point where the 64 rows
+// see 2048 keys or more on average (bottom-right causal from Lk = 2080, top-left over 4096 keys
+// 32.5 on average), with a block mask where a row can see 8192; elsewhere dQ has its own pass.
 TEST_CASE("cuda backward: where the hopper dQ beside dK and dV applies", "[cuda][backward]") {
   if (!hopper_backward_device()) return;
   struct rule_case {
@@ -846,19 +847,22 @@ TEST_CASE("cuda backward: where the hopper dQ beside dK and dV applies", "[cuda]
     bool applies;        // float32 sums (deterministic = false)
     bool fixed_applies;  // fixed-point sums (the default)
   };
-  const causal_mode none = causal_mode::none, br = causal_mode::bottom_right;
+  const causal_mode none = causal_mode::none, br = causal_mode::bottom_right,
+                    tl = causal_mode::top_left;
   const rule_case c = GENERATE_COPY(values<rule_case>({
-      {2048, false, none, -1, -1, true, false},      {2047, false, none, -1, -1, false, false},
-      {2048, false, br, -1, -1, true, false},        {4096, false, none, -1, -1, true, true},
-      {4095, false, br, -1, -1, true, false},        {8192, false, none, -1, -1, true, true},
-      {8191, false, br, -1, -1, true, true},         {8192, false, none, 1000, 1047, true, false},
-      {8192, false, none, 1000, 1046, false, false}, {8192, false, none, 2000, 2095, true, true},
-      {8192, false, none, 2000, 2094, true, false},  {8192, false, br, 2047, 5000, true, false},
-      {8192, false, br, 2046, -1, false, false},     {8192, false, none, 3000, -1, true, true},
-      {9000, false, none, 4095, 4096, true, true},   {9000, false, none, 4095, 4095, true, true},
-      {8192, true, none, -1, -1, true, true},        {8191, true, none, -1, -1, false, false},
-      {16384, true, none, -1, -1, true, true},       {16383, true, br, -1, -1, true, true},
-      {16384, true, none, 4000, 4000, false, false},
+      {2048, false, none, -1, -1, true, true},      {2047, false, none, -1, -1, false, false},
+      {2048, false, br, -1, -1, true, false},       {2080, false, br, -1, -1, true, true},
+      {2079, false, br, -1, -1, true, false},       {4096, false, none, -1, -1, true, true},
+      {4096, false, tl, -1, -1, true, false},       {4095, false, br, -1, -1, true, true},
+      {8192, false, none, -1, -1, true, true},      {8191, false, br, -1, -1, true, true},
+      {8192, false, none, 1000, 1047, true, false}, {8192, false, none, 1000, 1046, false, false},
+      {8192, false, none, 2000, 2095, true, false}, {8192, false, none, 2000, 2094, true, false},
+      {8192, false, none, 2016, -1, true, true},    {8192, false, none, 2015, -1, true, false},
+      {8192, false, br, 2047, 5000, true, true},    {8192, false, br, 2046, -1, false, false},
+      {8192, false, none, 3000, -1, true, true},    {9000, false, none, 4095, 4096, true, true},
+      {9000, false, none, 4095, 4095, true, true},  {8192, true, none, -1, -1, true, true},
+      {8191, true, none, -1, -1, false, false},     {16384, true, none, -1, -1, true, true},
+      {16383, true, br, -1, -1, true, true},        {16384, true, none, 4000, 4000, false, false},
   }));
   const std::int64_t D = GENERATE(64, 128);
   CAPTURE(c.lk, c.block_mask, c.left, c.right, static_cast<int>(c.causal), D);

@@ -1,7 +1,8 @@
 // Host-side rules of the CUDA backend that need no device, so that every build checks them:
 // the fixed-point scale of the Hopper backward's dQ (launch.hpp, dq_fixed_scale), on which its
 // bitwise determinism and its range argument rest (hopper/backward.cuh, "dQ in fixed point"),
-// and the order of the Hopper forward's work items (launch.hpp, work_place_of).
+// the count of visible pairs that decides where it runs (launch.hpp, visible_pairs), and the
+// order of the Hopper forward's work items (launch.hpp, work_place_of).
 #define CATCH_CONFIG_MAIN
 #include <catch2/catch.hpp>
 
@@ -74,6 +75,56 @@ kernel_params work_problem(std::int64_t batch, std::int64_t heads, std::int64_t 
 }
 
 }  // namespace
+
+// visible_pairs against the rows' key intervals summed one by one (reference/'s row_range), on
+// every causal mode and windows from none to wider than both lengths, the lengths in both orders.
+TEST_CASE("visible_pairs is the sum of the rows' key intervals", "[cuda][host]") {
+  using flashref::causal_mode;
+  using flashref::cuda::detail::visible_pairs;
+  std::mt19937 gen(11);
+  std::uniform_int_distribution<std::int64_t> len(1, 160), narrow(0, 40), wide(0, 400);
+  const std::int64_t unbounded = std::numeric_limits<std::int64_t>::max();
+  const auto window = [&](int kind) -> std::int64_t {
+    switch (kind) {
+      case 0:
+        return -1;
+      case 1:
+        return 0;
+      case 2:
+        return narrow(gen);
+      case 3:
+        return wide(gen);
+      default:
+        return unbounded;
+    }
+  };
+  int cases = 0;
+  for (int round = 0; round < 400; ++round) {
+    const std::int64_t lq = len(gen), lk = len(gen);
+    for (const causal_mode causal :
+         {causal_mode::none, causal_mode::bottom_right, causal_mode::top_left})
+      for (int l = 0; l < 5; ++l)
+        for (int r = 0; r < 5; ++r) {
+          flashref::mask_spec m;
+          m.len_q = lq, m.len_k = lk, m.causal = causal;
+          m.window_left = window(l), m.window_right = window(r);
+          std::int64_t expected = 0;
+          for (std::int64_t i = 0; i < lq; ++i) {
+            const flashref::key_range k = m.row_range(0, i);
+            expected += std::max<std::int64_t>(0, k.hi - k.lo);
+          }
+          CAPTURE(lq, lk, static_cast<int>(causal), m.window_left, m.window_right);
+          REQUIRE(visible_pairs(lq, lk, causal, m.window_left, m.window_right) == expected);
+          ++cases;
+        }
+  }
+  REQUIRE(cases == 400 * 3 * 25);
+  // Square causal: half the square and its diagonal; a window of w on each side of it.
+  REQUIRE(visible_pairs(4096, 4096, causal_mode::bottom_right, -1, -1) == 4096 * 4097 / 2);
+  REQUIRE(visible_pairs(1000, 1000, causal_mode::none, 10, 10) == 1000 * 21 - 2 * (10 * 11 / 2));
+  // Lengths where the pairs pass 2^31.
+  REQUIRE(visible_pairs(1 << 20, 1 << 20, causal_mode::none, -1, -1) == std::int64_t(1) << 40);
+}
 
 TEST_CASE("the Hopper forward's work order: every tile once, heaviest first in each group",
           "[cuda][host]") {

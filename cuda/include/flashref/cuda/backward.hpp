@@ -51,10 +51,11 @@ struct device_backward_problem {
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
   // true: bitwise the same gradients on every run. Where the hopper kernel (D = 64, 128) forms
-  // dQ beside dK and dV (rows that can see 4096 keys or more, 8192 with a block mask) it adds
-  // each key tile's part to fixed-point int32 sums, whose additions give the same bits in any
-  // order (cuda/NOTES.md, "b6"); elsewhere dQ has its own pass. A row whose LSE lies far below
-  // its log-sum-exp (not the forward's) can leave the fixed-point range: its dQ is then NaN.
+  // dQ beside dK and dV (rows that see 2048 keys or more on average; with a block mask, rows
+  // that can see 8192) it adds each key tile's part to fixed-point int32 sums, whose additions
+  // give the same bits in any order (cuda/NOTES.md, "b6"); elsewhere dQ has its own pass. A row
+  // whose LSE lies far below its log-sum-exp (not the forward's) can leave the fixed-point
+  // range: its dQ is then NaN.
   // false lets those sums be float32, added in whatever order the key tiles finish, and from
   // fewer keys (2048; 8192 with a block mask): faster, dQ within the same tolerance but not
   // bitwise repeatable; dK and dV unchanged.
