@@ -331,7 +331,7 @@ expect "gpu-tables with a paired record without kernels" 2 "paired.json: record 
 # scripts/targets: the issues' targets judged from a run's JSON, or one line naming what is wrong.
 targets=$root/scripts/targets
 expect "targets without arguments" 2 "usage: scripts/targets RESULTS_DIR" -- "$targets"
-expect "targets with no JSON" 2 "expected bench_torch.json, bench_torch_backward.json or bench_cpu.json" \
+expect "targets with no JSON" 2 "expected bench_torch.json, bench_torch_backward.json, bench_cpu.json or a comparison" \
   -- "$targets" "$work/round-empty"
 expect "targets with a JSON that is not a list" 2 "bench_torch.json: expected a JSON list" \
   -- "$targets" "$work/round-bad"
@@ -389,6 +389,38 @@ expect "targets: the CPU backward's block-sparse time over its dense time" 0 \
 echo '[{"backend": "cpu", "D": 128}]' >"$work/round-cpu/bench_cpu.json"
 expect "targets with a CPU record that lacks a field" 2 "a 'cpu' record: expected a field 'Lq'" \
   -- "$targets" "$work/round-cpu"
+mkdir -p "$work/round-cmp"
+cat >"$work/round-cmp/comparison.json" <<'JSON'
+[{"backend": "cpu", "threads": 16, "mask": "dense", "D": 128, "Lq": 4096, "median_s": 0.10,
+  "gflops": 1000.0, "isa": "avx512"},
+ {"backend": "torch_sdpa", "threads": 16, "mask": "dense", "D": 128, "Lq": 4096, "median_s": 0.15,
+  "gflops": 667.0},
+ {"backend": "cpu", "threads": 16, "mask": "causal", "D": 64, "Lq": 1024, "median_s": 0.10,
+  "gflops": 500.0, "isa": "avx512"},
+ {"backend": "torch_sdpa", "threads": 16, "mask": "causal", "D": 64, "Lq": 1024, "median_s": 0.11,
+  "gflops": 455.0}]
+JSON
+cat >"$work/round-cmp/comparison_bf16.json" <<'JSON'
+[{"backend": "cpu", "threads": 16, "mask": "dense", "D": 128, "Lq": 4096, "median_s": 0.03,
+  "gflops": 3300.0, "isa": "avx512+amx"},
+ {"backend": "torch_sdpa", "threads": 16, "mask": "dense", "D": 128, "Lq": 4096, "median_s": 0.06,
+  "gflops": 1650.0}]
+JSON
+expect "targets: the CPU against PyTorch, the worst point named" 0 \
+  "\| forward fp32, 16 threads: ≥ 1.25 × PyTorch \| D = 128, L = 4096, dense, 16 threads / D = 64, L = 1024, causal, 16 threads \| 1.500 × / 1.100 ×; worst 1.100 × at D = 64, L = 1024, causal, 16 threads \| no \(1 of 2\) \|" \
+  -- "$targets" "$work/round-cmp"
+expect "targets: a thread count the comparison did not run" 0 \
+  "\| forward fp32, 2 threads: ≥ 1.25 × PyTorch \| – \| not measured \| – \|" \
+  -- "$targets" "$work/round-cmp"
+expect "targets: bf16 against PyTorch's bf16" 0 \
+  "\| forward bf16, 16 threads: ≥ 1.25 × PyTorch's bf16 \| D = 128, L = 4096, dense, 16 threads \| 2.000 × \| \*\*yes\*\* \|" \
+  -- "$targets" "$work/round-cmp"
+expect "targets: bf16 on AMX over our fp32 at the same point" 0 \
+  "\| forward bf16 on AMX, 16 threads: ≥ 3 × our fp32 \| D = 128, L = 4096, dense, 16 threads \| 3.300 × \| \*\*yes\*\* \|" \
+  -- "$targets" "$work/round-cmp"
+echo '[{"backend": "cpu", "threads": 2}]' >"$work/round-cmp/comparison_backward.json"
+expect "targets with a comparison record that lacks a field" 2 \
+  "comparison_backward.json: record 0: expected a field 'mask'" -- "$targets" "$work/round-cmp"
 
 # The paired stage: skipped with a note where the pack has no wheel, run (forward and
 # backward) where it has one.
