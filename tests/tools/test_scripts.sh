@@ -91,6 +91,24 @@ for d in 64 128; do
 done
 expect "gpu-round: torch without a bench result fails, not skips" 1 "torch comparison: not run" \
   -- env PATH="$base_path" GPU_ROUND_STAGES="torch" "$round" "$work/out2" "$pack"
+# The cpu stage: bench-cpu-vs-torch three times (fp32, its backward, bf16) with the pack's
+# flashref, at GPU_CPU_THREADS; a python3 stub that logs its arguments stands in for it.
+mkdir -p "$work/py-log"
+printf '#!/bin/sh\necho "$*" >>"%s"\n' "$work/py-log/calls" >"$work/py-log/python3"
+chmod +x "$work/py-log/python3"
+expect "gpu-round: the cpu stage runs the three comparisons" 0 \
+  "cpu against torch \(--dtype bf16\): exit 0" \
+  -- env PATH="$work/py-log:$base_path" GPU_ROUND_STAGES="cpu" GPU_CPU_THREADS="16" \
+  "$round" "$work/out-cpu" "$pack"
+if [[ $(grep -c -- "bench-cpu-vs-torch $work/out-cpu --flashref $pack/bin/flashref --threads 16" \
+  "$work/py-log/calls") -ne 3 ]] || ! grep -q -- "--threads 16 --backward$" "$work/py-log/calls"; then
+  echo "FAIL cpu stage: expected three bench-cpu-vs-torch calls (fp32, --backward, --dtype bf16), got:"
+  sed 's/^/  | /' "$work/py-log/calls"
+  failures=$((failures + 1))
+fi
+stub "$work/py-fail" python3 1 "no torch here"
+expect "gpu-round: a failing CPU comparison fails the round" 1 "cpu against torch \(--backward\): exit 1" \
+  -- env PATH="$work/py-fail:$base_path" GPU_ROUND_STAGES="cpu" "$round" "$work/out-cpu2" "$pack"
 stub "$work/failing-smi" nvidia-smi 9 "NVIDIA-SMI has failed"
 expect "gpu-round: no usable GPU fails the round" 1 "nvidia-smi: exit 9" \
   -- env PATH="$work/failing-smi:$base_path" GPU_ROUND_STAGES="tests" "$round" "$work/out3" "$pack"
