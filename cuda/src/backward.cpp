@@ -131,15 +131,15 @@ constexpr std::int64_t kSumsMinKeys = 2048, kSumsMinKeysBlockSparse = 8192;
 constexpr std::int64_t kFixedMinMeanKeys = 2048, kFixedMinKeysBlockSparse = 8192;
 bool dq_beside_dkdv(const device_backward_problem& p, kernel_kind kernel) {
   if (kernel != kernel_kind::hopper) return false;
-  const bool sparse = p.forward.block_mask.data != nullptr;
-  const std::int64_t keys = keys_a_row_sees(p.forward);
-  if (p.deterministic) {
-    if (sparse) return keys >= kFixedMinKeysBlockSparse;
-    const device_problem& f = p.forward;
+  const device_problem& f = p.forward;
+  const bool sparse = f.block_mask.data != nullptr;
+  if (p.deterministic && !sparse) {
     const std::int64_t lq = f.q.shape[2];
     return lq > 0 && detail::visible_pairs(lq, f.k.shape[2], f.causal, f.window_left,
                                            f.window_right) >= kFixedMinMeanKeys * lq;
   }
+  const std::int64_t keys = keys_a_row_sees(f);
+  if (p.deterministic) return keys >= kFixedMinKeysBlockSparse;
   return keys >= (sparse ? kSumsMinKeysBlockSparse : kSumsMinKeys);
 }
 

@@ -2,6 +2,7 @@
 // The boundary between the host wrapper (attention.cpp) and the kernels (*.cu): plain data
 // only, no xtensor, includable from both compilers.
 
+#include <algorithm>
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
@@ -237,12 +238,7 @@ inline std::int64_t visible_pairs(std::int64_t len_q, std::int64_t len_k, causal
   const auto clamp = [&](std::int64_t i) { return i < 0 ? 0 : i > len_q ? len_q : i; };
   if (right) cut[2] = clamp(len_k - a);
   if (left) cut[3] = clamp(-b);
-  for (int x = 1; x < 4; ++x)  // sorted by insertion
-    for (int y = x; y > 0 && cut[y] < cut[y - 1]; --y) {
-      const std::int64_t t = cut[y];
-      cut[y] = cut[y - 1];
-      cut[y - 1] = t;
-    }
+  std::sort(cut, cut + 4);
   std::int64_t pairs = 0;
   for (int x = 0; x + 1 < 4; ++x) {
     std::int64_t s = cut[x], e = cut[x + 1];

@@ -37,6 +37,18 @@ using i64 = std::int64_t;
 constexpr i64 kMax = std::numeric_limits<i64>::max();
 constexpr i64 kMin = std::numeric_limits<i64>::min();
 
+// The exact values a real problem's inputs (and the backward's upstream gradient) are drawn
+// from, and the largest magnitude among them: max|V| of the tolerances, the bound of the
+// backward's terms.
+constexpr float kValues[] = {0.0f, 1.0f, -1.0f, 0.5f, -2.0f, 3.0f, 0.25f, -0.125f};
+constexpr double max_magnitude(const float (&x)[8]) {
+  double most = 0;
+  for (const float e : x)
+    most = std::max(most, e < 0 ? -double(e) : double(e));
+  return most;
+}
+constexpr double kMostValue = max_magnitude(kValues);
+
 // Mostly interesting values: small, boundaries, and anything.
 i64 some_int(FuzzedDataProvider& in) {
   switch (in.ConsumeIntegralInRange(0, 5)) {
@@ -130,7 +142,7 @@ void half_inputs(FuzzedDataProvider& in, flashref::attention_problem p, flashref
   flashref::fuzz::require_no_throw([&] { flashref::cpu::attention(p, opt); },
                                    "cpu runs the half problem");
   const flashref::conformance_report rep =
-      flashref::compare(g, o.data(), lse.data(), flashref::default_tolerance(p.dtype, 3.0));
+      flashref::compare(g, o.data(), lse.data(), flashref::default_tolerance(p.dtype, kMostValue));
   flashref::fuzz::require(rep.pass(), "the CPU's half path conforms to the reference");
 
   using flashref::test::same_bits;
@@ -157,12 +169,12 @@ void half_inputs(FuzzedDataProvider& in, flashref::attention_problem p, flashref
 // the empty rows' dQ and the unseen keys' dK, dV exactly 0; then, as the input asks, the
 // reference's scalar tiled backward at random tiles, judged the same way.
 void backward(FuzzedDataProvider& in, const flashref::attention_problem& p,
-              flashref::cpu::options opt, const float (&values)[8]) {
+              flashref::cpu::options opt) {
   const i64 B = p.batch(), Hq = p.heads_q(), Hk = p.heads_k(), Lq = p.len_q(), Lk = p.len_k(),
             D = p.head_dim(), Dv = p.head_dim_v();
   std::vector<float> d_o(std::size_t(B * Hq * Lq * Dv));
   for (float& e : d_o)
-    e = values[in.ConsumeIntegralInRange<int>(0, 7)];
+    e = kValues[in.ConsumeIntegralInRange<int>(0, 7)];
   std::vector<float> dq(std::size_t(B * Hq * Lq * D), NAN), dk(std::size_t(B * Hk * Lk * D), NAN),
       dv(std::size_t(B * Hk * Lk * Dv), NAN);
   flashref::attention_gradients g;
@@ -184,9 +196,7 @@ void backward(FuzzedDataProvider& in, const flashref::attention_problem& p,
   // and only there (max|ref| below 1e-3 of the terms' bound M), the error is held to 1e-4 M
   // instead; non-finite values and the zero rows are judged as always.
   const double scale = p.softmax_scale(), group_rows = double(p.group_size() * Lq);
-  double most = 0;  // max |x| of the values inputs are drawn from, every input alike
-  for (const float x : values)
-    most = std::max(most, double(std::fabs(x)));
+  const double most = kMostValue;                          // max |x| of every input alike
   const double dp_bound = 2.0 * double(Dv) * most * most;  // |dP - Delta|
   const char* who = "the cpu backward";
   const auto judge = [&](const std::vector<double>& golden, const std::vector<float>& got, i64 cols,
@@ -241,11 +251,10 @@ void real_problem(FuzzedDataProvider& in) {
             Lq = in.ConsumeIntegralInRange<i64>(0, 40), Lk = in.ConsumeIntegralInRange<i64>(0, 300),
             D = in.ConsumeIntegralInRange<i64>(1, 20), Dv = in.ConsumeIntegralInRange<i64>(1, 20);
   const bool blhd = in.ConsumeBool();
-  const float values[] = {0.0f, 1.0f, -1.0f, 0.5f, -2.0f, 3.0f, 0.25f, -0.125f};
   auto fill = [&](std::vector<float>& x, i64 n) {
     x.resize(std::size_t(n));
     for (float& e : x)
-      e = values[in.ConsumeIntegralInRange<int>(0, 7)];
+      e = kValues[in.ConsumeIntegralInRange<int>(0, 7)];
   };
   std::vector<float> q, k, v, o(std::size_t(B * Hq * Lq * Dv), NAN),
       lse(std::size_t(B * Hq * Lq), NAN);
@@ -313,10 +322,10 @@ void real_problem(FuzzedDataProvider& in) {
       }
   const flashref::conformance_report rep =
       flashref::compare(g, o_rows.data(), lse_rows.data(),
-                        flashref::default_tolerance(flashref::input_dtype::float32, 3.0));
+                        flashref::default_tolerance(flashref::input_dtype::float32, kMostValue));
   flashref::fuzz::require(rep.pass(), "the CPU backend conforms to the reference");
   if (in.ConsumeBool()) half_inputs(in, p, opt, g, q, k, v);
-  if (in.ConsumeBool()) backward(in, p, opt, values);
+  if (in.ConsumeBool()) backward(in, p, opt);
 }
 
 }  // namespace
